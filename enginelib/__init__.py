@@ -1,0 +1,18 @@
+"""enginelib: the finished code of the book's chapters, a small LLM inference engine."""
+from .block_pool import BlockPool
+from .device import default_dtype, pick_device, set_threads
+from .engine import Engine, EngineConfig
+from .kv_cache import ContiguousKVCache, PagedKVCache
+from .llm import LLM
+from .model import ModelConfig, Transformer
+from .outputs import CompletionOutput, RequestOutput
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler, SchedulerConfig
+from .tokenizer import Tokenizer
+from .weights import DEFAULT_MODEL, fetch, load_model
+
+__all__ = [
+    "DEFAULT_MODEL", "LLM", "BlockPool", "CompletionOutput", "ContiguousKVCache", "Engine", "EngineConfig",
+    "ModelConfig", "PagedKVCache", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerConfig",
+    "Tokenizer", "Transformer", "default_dtype", "fetch", "load_model", "pick_device", "sample", "set_threads",
+]

@@ -1,0 +1,62 @@
+"""The Batch: the one seam between scheduling and compute.
+
+The scheduler speaks of requests and blocks; the model speaks of tensors. A
+step's plan becomes one flat batch: the new tokens of every scheduled
+sequence laid end to end, where each goes in the cache (slot mapping), what
+each sequence may attend to (block tables, context lengths), and which rows
+need logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceWork:
+    """One sequence's share of a step, in plain numbers (no Request)."""
+
+    token_ids: list[int]    # the tokens to compute this step
+    start: int              # position of the first of them (= tokens already cached)
+    block_table: list[int]  # its blocks, in order
+
+
+@dataclass
+class Batch:
+    token_ids: torch.Tensor     # [N] new tokens of all sequences, end to end
+    positions: torch.Tensor     # [N] their positions in their own sequences
+    slot_mapping: torch.Tensor  # [N] flat cache slot for each: block * block_size + offset
+    block_tables: torch.Tensor  # [S, max_blocks] (padded with block 0, never read past context_lens)
+    context_lens: torch.Tensor  # [S] tokens each sequence has in the cache after this step
+    query_lens: list[int]       # [S] new tokens per sequence
+    logits_indices: torch.Tensor  # [S] row of each sequence's last new token: only these get logits
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @classmethod
+    def build(cls, seqs: list[SequenceWork], block_size: int, device: torch.device | str = "cpu") -> "Batch":
+        tokens, positions, slots, ends = [], [], [], []
+        for s in seqs:
+            pos = range(s.start, s.start + len(s.token_ids))
+            if len(s.block_table) * block_size < pos.stop:
+                raise ValueError(f"{len(s.block_table)} blocks cannot hold {pos.stop} tokens")
+            tokens += s.token_ids
+            positions += pos
+            slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
+            ends.append(len(tokens) - 1)
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+
+        def tensor(x):
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        return cls(tensor(tokens), tensor(positions), tensor(slots), tensor(tables),
+                   tensor([s.start + len(s.token_ids) for s in seqs]), [len(s.token_ids) for s in seqs],
+                   tensor(ends))

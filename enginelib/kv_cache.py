@@ -1,0 +1,165 @@
+"""KV caches: where attention keeps the keys and values of tokens it has seen.
+
+Part I uses :class:`ContiguousKVCache`: one slab of ``max_len`` slots per
+sequence, reserved up front whether or not the sequence ever uses them.
+Part II uses :class:`PagedKVCache`: a pool of fixed-size blocks that
+sequences take one at a time, found again through their block tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batch import Batch
+from .model import ModelConfig, attention
+
+
+class ContiguousKVCache:
+    """K/V for a batch of sequences, each in its own preallocated row of ``max_len`` slots.
+
+    Sequences are left-padded so that they all end at the same column: row ``b``
+    holds ``pad[b]`` padding slots, then its tokens. Padding slots are never
+    attended to, and positions count from each row's first real token.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 pad: list[int] | None = None) -> None:
+        shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0  # columns filled so far, the same for every row
+        self.pad = torch.tensor(pad or [0] * batch_size, device=device)
+        self._mask: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def positions(self, num_tokens: int) -> torch.Tensor:
+        """Positions of the next ``num_tokens`` columns, per row: [B, T]."""
+        cols = torch.arange(self.length, self.length + num_tokens, device=self.pad.device)
+        return (cols[None, :] - self.pad[:, None]).clamp(min=0)
+
+    def _build_mask(self, num_tokens: int) -> torch.Tensor | None:
+        """[B, 1, T, S]: a query sees earlier columns that are not padding (and itself)."""
+        end = self.length + num_tokens
+        if num_tokens == 1 and not bool(self.pad.any()):
+            return None  # one new token, no padding: it may see everything
+        q_cols = torch.arange(self.length, end, device=self.pad.device)[:, None]
+        k_cols = torch.arange(end, device=self.pad.device)[None, :]
+        causal = k_cols <= q_cols
+        real = k_cols[None] >= self.pad[:, None, None]
+        # A padding query still sees itself, so no row of the softmax is empty (no NaN).
+        return ((causal[None] & real) | (k_cols == q_cols)[None])[:, None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's K/V in the next columns, then attend over all filled columns."""
+        t = q.shape[1]
+        end = self.length + t
+        if end > self.max_len:
+            raise ValueError(f"KV cache is full: {end} tokens do not fit in max_len={self.max_len}")
+        if layer == 0:
+            self._mask = self._build_mask(t)
+        self.k[layer, :, self.length:end] = k
+        self.v[layer, :, self.length:end] = v
+        return attention(q, self.k[layer, :, :end], self.v[layer, :, :end], self._mask)
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+
+# --- Part II: the paged KV cache --------------------------------------------------------
+
+@dataclass
+class _AttentionGroup:
+    """Sequences attended together, their queries padded to the longest (Q)."""
+
+    rows: torch.Tensor          # [S, Q] row of each query in the flat batch (padding repeats the last)
+    valid: torch.Tensor         # [S, Q] False on padding
+    block_tables: torch.Tensor  # [S, max_blocks]
+    mask: torch.Tensor          # [S, 1, Q, max_blocks * block_size] True = may attend
+
+
+def _attention_groups(batch: Batch, block_size: int) -> list[_AttentionGroup]:
+    """Decodes (one query each) in one group, prefills in another, so neither pads to the other."""
+    device = batch.token_ids.device
+    starts = torch.tensor([0, *batch.query_lens], device=device).cumsum(0)[:-1]
+    groups = []
+    for pick in ([i for i, n in enumerate(batch.query_lens) if n == 1],
+                 [i for i, n in enumerate(batch.query_lens) if n > 1]):
+        if not pick:
+            continue
+        idx = torch.tensor(pick, device=device)
+        qlens = torch.tensor([batch.query_lens[i] for i in pick], device=device)
+        offsets = torch.arange(int(qlens.max()), device=device)
+        valid = offsets[None] < qlens[:, None]
+        rows = starts[idx, None] + torch.minimum(offsets[None], qlens[:, None] - 1)
+        tables = batch.block_tables[idx]
+        keys = torch.arange(tables.shape[1] * block_size, device=device)
+        mask = keys[None, None, :] <= batch.positions[rows][:, :, None]  # causal, within its own sequence
+        groups.append(_AttentionGroup(rows, valid, tables, mask[:, None]))
+    return groups
+
+
+def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                    group: _AttentionGroup) -> torch.Tensor:
+    """Attention for one group, reading keys and values through block tables.
+
+    q: [N, H, D] the batch's flat queries; k_blocks, v_blocks: [num_blocks, block_size, KV, D]
+    one layer's pool. Returns [n, H, D] for the group's valid queries, in row order.
+    """
+    keys = k_blocks[group.block_tables].flatten(1, 2)    # [S, max_blocks * block_size, KV, D]
+    values = v_blocks[group.block_tables].flatten(1, 2)
+    out = attention(q[group.rows], keys, values, group.mask)  # [S, Q, H, D]
+    return out[group.valid]
+
+
+class PagedKVCache:
+    """K/V for every layer in fixed-size blocks: ``[layers, num_blocks, block_size, KV, D]``.
+
+    A sequence's tokens live in whichever blocks its block table lists, so
+    memory is taken a block at a time as sequences grow, not reserved up front.
+    ``bind(batch)`` prepares one step; the model then calls ``attend`` per layer.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, *,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.batch: Batch | None = None
+        self._groups: list[_AttentionGroup] = []
+
+    @staticmethod
+    def blocks_in_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
+        """How many blocks fit in ``memory_bytes`` of K/V storage."""
+        return memory_bytes // (block_size * cfg.kv_bytes_per_token(dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def bind(self, batch: Batch) -> "PagedKVCache":
+        self.batch = batch
+        self._groups = _attention_groups(batch, self.block_size)
+        return self
+
+    def positions(self, num_tokens: int) -> torch.Tensor:
+        return self.batch.positions[None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V into their slots (one vectorized copy), then attend through the blocks."""
+        slots = self.batch.slot_mapping
+        self.k[layer].view(-1, *k.shape[2:]).index_copy_(0, slots, k[0])
+        self.v[layer].view(-1, *v.shape[2:]).index_copy_(0, slots, v[0])
+        out = torch.empty_like(q[0])
+        for group in self._groups:
+            out[group.rows[group.valid]] = paged_attention(q[0], self.k[layer], self.v[layer], group)
+        return out[None]
+
+    def advance(self, num_tokens: int) -> None:
+        """Nothing to do: the scheduler counts what each sequence has cached."""

@@ -1,0 +1,231 @@
+"""A LLaMA-family decoder written to be read: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+The model knows nothing about requests or caches' internals. Each layer hands
+its queries, keys and values to a *cache* object (``cache.attend``), which
+stores K/V wherever it likes and returns the attention output. Without a
+cache the model attends causally over the tokens it was given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a LLaMA-style model (defaults: SmolLM2-135M)."""
+
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    rope_theta: float = 100000.0
+    rms_norm_eps: float = 1e-5
+    context_length: int = 8192
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = False  # Qwen2 adds a bias to q, k and v
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def tiny(cls, **changes) -> "ModelConfig":
+        """A random-weight toy for fast unit tests."""
+        base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16, context_length=256)
+        return cls(**{**base, **changes})
+
+    def kv_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
+        """K and V, for every layer and KV head: what one cached token costs."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+class Cache(Protocol):
+    """What the model needs from a KV cache (contiguous in Part I, paged in Part II)."""
+
+    def positions(self, num_tokens: int) -> torch.Tensor: ...
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def advance(self, num_tokens: int) -> None: ...
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """Scaled dot-product attention with grouped-query heads.
+
+    q: [B, T, H, D]; k, v: [B, S, KV, D]; mask: broadcastable to [B, H, T, S]
+    (True = may attend). Each KV head serves H // KV query heads.
+    """
+    groups = q.shape[2] // k.shape[2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+    return out.transpose(1, 2)
+
+
+class RMSNorm(nn.Module):
+    """Scale each vector to unit root-mean-square, then by a learned gain."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding tables for integer positions [B, T] -> cos, sin [B, T, 1, D]."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x_i, x_{i+D/2}) pair by its position's angle (the "half-split" layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention; q, k and v come from one fused projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.split = [h * d, kv * d, kv * d]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, layer: int, cache: Cache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        out = attention(q, k, v, causal=True) if cache is None else cache.attend(layer, q, k, v)
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm attention, then pre-norm MLP, each with a residual."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layer: int, cache: Cache | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids in, next-token logits out."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, *,
+                positions: torch.Tensor | None = None, last_only: bool = False,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with ``last_only``).
+
+        With a cache, new K/V are stored in it and attention also reads what it
+        holds; positions then come from the cache unless given. The LM head is
+        the biggest matmul per token, so only the rows that will be sampled get
+        it: the last (``last_only``), or the flat rows ``logits_indices`` -> [R, vocab].
+        """
+        b, t = input_ids.shape
+        if positions is None:
+            positions = (cache.positions(t) if cache is not None
+                         else torch.arange(t, device=input_ids.device).expand(b, t))
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, cache)
+        if cache is not None:
+            cache.advance(t)
+        if last_only:
+            x = x[:, -1:]
+        if logits_indices is not None:
+            x = x.reshape(-1, x.shape[-1])[logits_indices]
+        return self.lm_head(self.norm(x))
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> "Transformer":
+        """Build from Hugging Face-named tensors, fusing q/k/v and gate/up as we go."""
+        model = cls(cfg)
+        fused = {}
+        for name, tensor in weights.items():
+            if ".q_proj." in name or ".k_proj." in name or ".v_proj." in name:
+                continue  # fused below
+            if ".gate_proj." in name or ".up_proj." in name:
+                continue
+            fused[name.removeprefix("model.")] = tensor
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+                fused[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(
+                    [weights[p + f"self_attn.{n}_proj.{kind}"] for n in "qkv"])
+            fused[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+        if cfg.tie_word_embeddings:
+            fused.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict(fused, strict=False)
+        missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,92 @@
+"""The decoder on a tiny random config: shapes, caches and attention agree with plain math."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from enginelib.kv_cache import ContiguousKVCache
+from enginelib.model import ModelConfig, Transformer, apply_rope, attention, rope_cos_sin
+
+from .conftest import hf_weights
+
+
+def test_forward_gives_logits_for_every_position_or_only_the_last(tiny):
+    ids = torch.randint(0, tiny.cfg.vocab_size, (2, 7))
+    assert tiny(ids).shape == (2, 7, tiny.cfg.vocab_size)
+    torch.testing.assert_close(tiny(ids, last_only=True)[:, 0], tiny(ids)[:, -1])
+
+
+def test_cached_decoding_matches_the_full_forward_pass(tiny):
+    ids = torch.randint(0, tiny.cfg.vocab_size, (1, 12))
+    full = tiny(ids)
+    cache = ContiguousKVCache(tiny.cfg, 1, 16)
+    steps = [tiny(ids[:, :5], cache)] + [tiny(ids[:, i:i + 1], cache) for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.length == 12
+
+
+def test_left_padded_batch_matches_each_sequence_alone(tiny):
+    seqs = [torch.randint(0, tiny.cfg.vocab_size, (n,)) for n in (3, 8, 5)]
+    width = 8
+    pad = [width - len(s) for s in seqs]
+    batch = torch.stack([torch.cat([torch.zeros(p, dtype=torch.long), s]) for p, s in zip(pad, seqs)])
+    cache = ContiguousKVCache(tiny.cfg, 3, 10, pad=pad)
+    prefill = tiny(batch, cache)
+    nxt = torch.randint(0, tiny.cfg.vocab_size, (3, 1))
+    step = tiny(nxt, cache)
+    for row, (p, s) in enumerate(zip(pad, seqs)):
+        alone = tiny(torch.cat([s, nxt[row]])[None])
+        torch.testing.assert_close(prefill[row, p:], alone[0, :-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step[row, 0], alone[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_query_attention_equals_the_textbook_formula():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 5, 6, 8), torch.randn(2, 5, 2, 8), torch.randn(2, 5, 2, 8)
+    out = attention(q, k, v, causal=True)
+    for h in range(6):
+        kv = h // 3  # query heads 0-2 share KV head 0, 3-5 share KV head 1
+        scores = q[:, :, h] @ k[:, :, kv].transpose(1, 2) / math.sqrt(8)
+        scores = scores.masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf"))
+        torch.testing.assert_close(out[:, :, h], scores.softmax(-1) @ v[:, :, kv], atol=1e-5, rtol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    torch.manual_seed(2)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
+    def score(m: int, n: int) -> float:
+        cq, sq = rope_cos_sin(torch.tensor([[m]]), 16, 10000.0, torch.float32)
+        ck, sk = rope_cos_sin(torch.tensor([[n]]), 16, 10000.0, torch.float32)
+        return float((apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum())
+
+    assert score(7, 3) == pytest.approx(score(104, 100), abs=1e-4)
+    assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-4)
+
+
+def test_state_dict_round_trip_and_a_checkpoint_that_does_not_fit(tiny):
+    cfg = tiny.cfg
+    weights = hf_weights(tiny)
+    ids = torch.randint(0, cfg.vocab_size, (1, 6))
+    torch.testing.assert_close(Transformer.from_state_dict(cfg, weights)(ids), tiny(ids))
+    del weights["model.norm.weight"]
+    with pytest.raises(ValueError, match="does not fit"):
+        Transformer.from_state_dict(cfg, weights)
+
+
+def test_config_rejects_heads_that_do_not_group():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ModelConfig.tiny(num_heads=5, num_kv_heads=2)
+
+
+def test_kv_bytes_per_token_of_smollm2():
+    # 30 layers x 3 KV heads x 64 dims x (K and V) x 4 bytes
+    assert ModelConfig().kv_bytes_per_token(torch.float32) == 30 * 3 * 64 * 2 * 4
+
+
+def test_a_full_cache_says_so(tiny):
+    cache = ContiguousKVCache(tiny.cfg, 1, 4)
+    with pytest.raises(ValueError, match="KV cache is full"):
+        tiny(torch.zeros(1, 5, dtype=torch.long), cache)

@@ -1,0 +1,167 @@
+"""The paged KV cache: attention through block tables equals dense attention, and the
+block pool keeps its books straight under any schedule of arrivals and aborts."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from enginelib.baselines import generate_cached
+from enginelib.batch import Batch, SequenceWork
+from enginelib.block_pool import BlockPool, NoFreeBlocks
+from enginelib.engine import Engine, EngineConfig
+from enginelib.kv_cache import PagedKVCache
+from enginelib.model import ModelConfig, attention
+from enginelib.request import RequestStatus
+from enginelib.sampling import SamplingParams
+from enginelib.tokenizer import Tokenizer
+
+
+def test_block_pool_allocates_shares_and_frees():
+    pool = BlockPool(4, 16)
+    a = pool.allocate(3)
+    assert pool.stats().used == 3 and pool.blocks_for(33) == 3
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(2)
+    pool.share(a[:1])
+    pool.free(a)
+    assert pool.num_free == 3 and pool.ref_counts[a[0]] == 1
+    pool.free(a[:1])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(a[:1])
+    assert pool.num_free == 4 and pool.high_water == 3
+    pool.check()
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+def test_paged_attention_equals_dense_attention_across_block_boundaries(block_size):
+    torch.manual_seed(block_size)
+    cfg = ModelConfig.tiny(num_layers=1)
+    # Three sequences: a decode with a long past, a prefill continuing a past, a fresh prefill.
+    past, new = [13, 5, 0], [1, 6, 9]
+    total = [p + n for p, n in zip(past, new)]
+    cache = PagedKVCache(cfg, num_blocks=40, block_size=block_size)
+    order = list(range(40))
+    random.Random(block_size).shuffle(order)  # blocks scattered through the pool
+    tables, dense_k, dense_v = [], [], []
+    for t in total:
+        blocks = [order.pop() for _ in range(-(-t // block_size))]
+        tables.append(blocks)
+        k, v = torch.randn(t, cfg.num_kv_heads, cfg.head_dim), torch.randn(t, cfg.num_kv_heads, cfg.head_dim)
+        dense_k.append(k)
+        dense_v.append(v)
+        for pos in range(t):  # what earlier steps would have written
+            cache.k[0, blocks[pos // block_size], pos % block_size] = k[pos]
+            cache.v[0, blocks[pos // block_size], pos % block_size] = v[pos]
+    batch = Batch.build([SequenceWork([0] * n, p, tb) for n, p, tb in zip(new, past, tables)], block_size)
+    q = torch.randn(1, sum(new), cfg.num_heads, cfg.head_dim)
+    k_new = torch.cat([k[p:] for k, p in zip(dense_k, past)])[None]
+    v_new = torch.cat([v[p:] for v, p in zip(dense_v, past)])[None]
+    out = cache.bind(batch).attend(0, q, k_new, v_new)[0]
+    row = 0
+    for p, n, k, v in zip(past, new, dense_k, dense_v):
+        causal = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
+        expected = attention(q[:, row:row + n], k[None], v[None], causal[None, None])
+        torch.testing.assert_close(out[row:row + n], expected[0], atol=1e-5, rtol=1e-5)
+        row += n
+
+
+def test_batch_slot_mapping_follows_the_block_table():
+    batch = Batch.build([SequenceWork([7, 8, 9], 3, [5, 2])], block_size=4)
+    # positions 3, 4, 5 -> block 5 offset 3, block 2 offsets 0 and 1
+    assert batch.slot_mapping.tolist() == [23, 8, 9]
+    assert batch.context_lens.tolist() == [6] and batch.logits_indices.tolist() == [2]
+    with pytest.raises(ValueError, match="cannot hold"):
+        Batch.build([SequenceWork([1] * 5, 4, [0, 1])], block_size=4)
+
+
+def tiny_tokenizer(vocab_size: int) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    backend = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, eos_token_id=vocab_size - 1)
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 12), st.integers(1, 12), st.booleans()),  # prompt, max_tokens, ignore_eos
+    st.tuples(st.just("abort"), st.integers(0, 100), st.just(0), st.just(False)),
+    st.tuples(st.just("step"), st.integers(1, 3), st.just(0), st.just(False)),
+), min_size=6, max_size=30)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops, num_blocks=st.integers(6, 30), block_size=st.sampled_from([1, 2, 4]),
+       max_num_seqs=st.integers(1, 6), seed=st.integers(0, 1000))
+def test_random_schedules_keep_the_pool_consistent_and_outputs_exact(tiny, ops, num_blocks, block_size,
+                                                                     max_num_seqs, seed):
+    tok = tiny_tokenizer(tiny.cfg.vocab_size)
+    engine = Engine(tiny, tok, EngineConfig(num_blocks=num_blocks, block_size=block_size,
+                                            max_num_seqs=max_num_seqs, max_num_batched_tokens=64))
+    rng = random.Random(seed)
+    added, aborted = {}, set()
+
+    def check_pool():
+        owners = {r.request_id: r.block_table for r in engine.scheduler.running}
+        engine.pool.check(owners)
+        assert all(not r.block_table for r in engine.scheduler.waiting)
+
+    def step():
+        engine.step()
+        check_pool()
+
+    for op, a, b, ignore_eos in ops:
+        if op == "add":
+            prompt = [rng.randrange(tiny.cfg.vocab_size) for _ in range(a)]
+            params = SamplingParams(temperature=0, max_tokens=b, ignore_eos=ignore_eos)
+            try:
+                added[engine.add_request(prompt, params)] = (prompt, params)
+            except ValueError as err:
+                assert "whole pool" in str(err) or "max_num_batched_tokens" in str(err)
+        elif op == "abort":
+            live = [r.request_id for r in (*engine.scheduler.running, *engine.scheduler.waiting)]
+            if live:
+                rid = live[a % len(live)]
+                engine.abort(rid)
+                aborted.add(rid)
+                check_pool()
+        else:
+            for _ in range(a):
+                step()
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        step()
+    assert not engine.has_unfinished_requests(), "the engine stalled"
+    event(f"preemptions: {min(engine.stats().preemptions, 3)}+")
+    assert engine.pool.num_used == 0, "blocks leaked"
+    for rid, (prompt, params) in added.items():
+        req = engine.request(rid)
+        assert req.status is RequestStatus.FINISHED
+        if rid in aborted:
+            assert req.finish_reason == "abort"
+            continue
+        assert req.finish_reason in ("stop", "length")
+        assert len(req.output_token_ids) <= params.max_tokens
+        expected = generate_cached(tiny, prompt, params, tok.eos_token_id)
+        assert req.output_token_ids == expected.token_ids, "paging or preemption changed the output"
+
+
+def test_a_tiny_pool_forces_preemption_and_outputs_stay_exact(tiny):
+    tok = tiny_tokenizer(tiny.cfg.vocab_size)
+    engine = Engine(tiny, tok, EngineConfig(num_blocks=8, block_size=2, max_num_seqs=4))
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = {engine.add_request(p, params): p for p in
+               ([rng.randrange(tiny.cfg.vocab_size) for _ in range(4)] for _ in range(5))}
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.pool.check({r.request_id: r.block_table for r in engine.scheduler.running})
+    assert engine.stats().preemptions > 0
+    assert engine.pool.num_used == 0
+    for rid, prompt in prompts.items():
+        assert engine.request(rid).output_token_ids == generate_cached(tiny, prompt, params).token_ids

@@ -1,0 +1,191 @@
+"""viz draws what the data says: hand-made runs, no model, Agg backend."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from enginelib.baselines import Generation, StaticBatchRun  # noqa: E402
+from enginelib.viz import (STATE_LABELS, Segment, plot_padding, plot_static_timeline,  # noqa: E402
+                           static_timeline_segments)
+
+
+def make_run(lengths: list[int], step_times: list[float] | None = None) -> StaticBatchRun:
+    """A batch whose requests produced ``lengths`` tokens; it ran max(lengths) steps."""
+    steps = max(lengths)
+    gens = [Generation([1, 2, 3], list(range(n)), "length") for n in lengths]
+    return StaticBatchRun(gens, step_times or [0.1 * (s + 1) for s in range(steps)], padded_prompt_len=3)
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def bars_by_state(fig: Figure) -> dict[str, list]:
+    """The rectangles drawn for each state, found through the legend labels of the bar groups."""
+    ax = fig.axes[0]
+    label_to_state = {label: state for state, label in STATE_LABELS.items()}
+    return {label_to_state[c.get_label()]: list(c.patches) for c in ax.containers}
+
+
+def test_segments_of_one_batch_in_steps():
+    segs = static_timeline_segments(make_run([3, 1, 2]))
+    assert segs == [
+        Segment(0, "prefill", 0, 1), Segment(0, "decode", 1, 2),
+        Segment(1, "prefill", 0, 1), Segment(1, "idle", 1, 2),
+        Segment(2, "prefill", 0, 1), Segment(2, "decode", 1, 1), Segment(2, "idle", 2, 1),
+    ]
+
+
+def test_segments_of_consecutive_batches_wait_for_the_previous_batch():
+    segs = static_timeline_segments([make_run([2, 4]), make_run([1, 3])])
+    waiting = [s for s in segs if s.state == "waiting"]
+    assert waiting == [Segment(2, "waiting", 0, 4), Segment(3, "waiting", 0, 4)]
+    # every row is busy (in some state) from 0 to the end of its batch, with no gaps or overlaps
+    for row, end in [(0, 4), (1, 4), (2, 7), (3, 7)]:
+        mine = sorted((s for s in segs if s.row == row), key=lambda s: s.start)
+        assert mine[0].start == 0 and mine[-1].start + mine[-1].width == end
+        assert all(a.start + a.width == b.start for a, b in zip(mine, mine[1:]))
+
+
+def test_segments_in_seconds_follow_step_times():
+    first = make_run([2, 1], step_times=[0.5, 0.6])
+    second = make_run([1], step_times=[0.25])
+    segs = static_timeline_segments([first, second], unit="time")
+    assert Segment(0, "prefill", 0.0, 0.5) in segs
+    assert [s for s in segs if s.row == 0 and s.state == "decode"][0].width == pytest.approx(0.1)
+    assert [s for s in segs if s.row == 2 and s.state == "waiting"] == [Segment(2, "waiting", 0.0, 0.6)]
+    assert [s for s in segs if s.row == 2 and s.state == "prefill"][0].width == pytest.approx(0.25)
+
+
+def test_segments_reject_a_request_longer_than_its_batch():
+    run = make_run([2, 2])
+    run.generations[0].token_ids.append(99)
+    with pytest.raises(ValueError, match="ran 2 steps"):
+        static_timeline_segments(run)
+    with pytest.raises(ValueError, match="unit"):
+        static_timeline_segments(make_run([1]), unit="tokens")
+
+
+def test_timeline_draws_one_bar_per_segment_and_one_row_per_request():
+    runs = [make_run([3, 1, 2]), make_run([2, 2, 1])]
+    fig = plot_static_timeline(runs)
+    assert isinstance(fig, Figure)
+    bars = bars_by_state(fig)
+    assert {state: len(b) for state, b in bars.items()} == {"waiting": 3, "prefill": 6, "decode": 4, "idle": 3}
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"req {i}" for i in range(6)]
+    assert ax.get_xlim() == (0, 5)
+    assert ax.get_xlabel() == "engine step"
+    assert len(ax.get_legend().get_texts()) == 4
+    # request 1 finished after its first token: its idle bar covers steps 1..3
+    idle = [(p.get_y() + p.get_height() / 2, p.get_x(), p.get_width()) for p in bars["idle"]]
+    assert (1, 1, 2) in idle
+
+
+def test_timeline_without_stragglers_has_no_idle_bars():
+    fig = plot_static_timeline(make_run([4, 4]))
+    assert set(bars_by_state(fig)) == {"prefill", "decode"}
+    assert len(fig.axes[0].get_legend().get_texts()) == 2
+
+
+def test_timeline_draws_on_given_axes_in_seconds():
+    fig, (left, right) = plt.subplots(1, 2)
+    out = plot_static_timeline(make_run([2, 1]), ax=right, unit="time")
+    assert out is fig
+    assert right.get_xlabel() == "time (s)" and not left.has_data()
+
+
+def test_padding_grid_marks_real_tokens_and_pads():
+    fig = plot_padding([2, 5, 3], labels=[["a", "b"], list("abcde"), list("xyz")])
+    ax = fig.axes[0]
+    grid = ax.images[0].get_array()
+    assert grid.shape == (3, 5)
+    assert grid.sum() == 2 + 5 + 3
+    assert grid[0].tolist() == [0, 0, 0, 1, 1]  # left-padded: real tokens at the end
+    assert grid[:, -1].tolist() == [1, 1, 1]  # all prompts end in the last column
+    assert len(ax.texts) == 10
+
+
+def test_padding_rejects_labels_that_do_not_fit():
+    with pytest.raises(ValueError, match="one string per token"):
+        plot_padding([2, 3], labels=[["a"], ["a", "b", "c"]])
+    with pytest.raises(ValueError, match="at least one"):
+        plot_padding([])
+
+
+# --- the engine's pictures: hand-made StepRecords, then a real (tiny) engine -------------
+
+from enginelib.engine import Engine, EngineConfig, StepRecord  # noqa: E402
+from enginelib.sampling import SamplingParams  # noqa: E402
+from enginelib.viz import (EngineExplorer, animate_block_map, engine_timeline_segments,  # noqa: E402
+                           plot_block_map, plot_engine_timeline)
+
+
+def record(step, scheduled, prefill, states, tables, cached, preempted=()) -> StepRecord:
+    return StepRecord(step, 0.0, scheduled, frozenset(prefill), tuple(preempted), states, tables, cached,
+                      num_blocks=6, block_size=4)
+
+
+HISTORY = [
+    record(0, {"0": 5}, {"0"}, {"0": "running", "1": "waiting"}, {"0": [2, 4]}, {"0": 5}),
+    record(1, {"0": 1, "1": 3}, {"1"}, {"0": "running", "1": "running"}, {"0": [2, 4], "1": [0]}, {"0": 6, "1": 3}),
+    record(2, {"0": 1}, set(), {"0": "running", "1": "preempted"}, {"0": [2, 4]}, {"0": 7}, preempted=["1"]),
+    record(3, {"1": 4}, {"1"}, {"0": "finished", "1": "running"}, {"1": [1]}, {"1": 4}),
+]
+
+
+def test_engine_timeline_segments_follow_each_request_state():
+    segments, ids = engine_timeline_segments(HISTORY)
+    assert ids == ["0", "1"]
+    by_row = {r: [(s.start, s.state) for s in segments if s.row == r] for r in (0, 1)}
+    assert by_row[0] == [(0, "prefill"), (1, "decode"), (2, "decode")]
+    assert by_row[1] == [(0, "waiting"), (1, "prefill"), (2, "preempted"), (3, "prefill")]
+
+
+def test_block_map_fills_each_block_to_its_tokens():
+    fig = plot_block_map(HISTORY[1])
+    ax = fig.axes[0]
+    # one background square per block, plus an outline and a fill per used block
+    assert len(ax.patches) == 6 + 2 * 3
+    fills = sorted(round(p.get_height() / 0.94, 2) for p in ax.patches if p.get_facecolor()[:3] != (0.0, 0.0, 0.0)
+                   and p.get_edgecolor()[3] == 0)
+    assert fills == [0.5, 0.75, 1.0]  # request 0: 6 tokens -> 4 + 2 of 4 slots; request 1: 3 of 4
+    assert "req 0: [2, 4]" in ax.texts[-1].get_text()
+
+
+def test_engine_timeline_needs_a_recorded_history():
+    with pytest.raises(ValueError, match="record=True"):
+        plot_engine_timeline([])
+    fig = plot_engine_timeline(HISTORY)
+    assert len(fig.axes) == 2
+
+
+def test_animation_has_one_frame_per_step_and_the_explorer_drives_an_engine(tiny):
+    from tests.test_paged import tiny_tokenizer
+
+    engine = Engine(tiny, tiny_tokenizer(tiny.cfg.vocab_size), EngineConfig(num_blocks=8, block_size=4, record=True))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    explorer = EngineExplorer(engine, params)
+    explorer.add("t1 t2 t3")
+    explorer.add("t4 t5")
+    explorer.run_step()
+    explorer.run_step()
+    assert explorer.slider.max == 1 and explorer.slider.value == 1
+    explorer.abort(explorer.victim.options[0])
+    assert len(explorer.victim.options) == 1
+    explorer.add(" ".join(["t1"] * 40))  # more than the pool: refused, engine unharmed
+    assert "refused" in explorer.message.value
+    while engine.has_unfinished_requests():
+        explorer.run_step()
+    assert engine.pool.num_used == 0
+    anim = animate_block_map(engine.history)
+    assert len(list(anim.new_frame_seq())) == len(engine.history)
+    html = anim.to_jshtml()  # the kernel-free player the built book embeds
+    assert html.count("frames[") >= len(engine.history)
