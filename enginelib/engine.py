@@ -5,7 +5,6 @@ scheduler sees them. That is continuous batching.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -88,7 +87,7 @@ class Engine:
         self.history: list[StepRecord] = []
         self.steps = 0
         self._tracked: dict[str, _Tracked] = {}
-        self._ids = itertools.count()
+        self._next_id = 0
         self._pending: list[RequestOutput] = []  # aborted outputs, returned by the next step
 
     def _kv_memory(self) -> int:
@@ -107,7 +106,10 @@ class Engine:
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        numbered = request_id is None
+        while numbered and str(self._next_id) in self._tracked:  # skip ids the caller chose
+            self._next_id += 1
+        request_id = str(self._next_id) if numbered else str(request_id)
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use: pick another")
         cfg = self.model.cfg
@@ -121,6 +123,7 @@ class Engine:
         now = time.perf_counter()
         request = Request(request_id, ids, params, prompt=text, arrival_time=now)
         self.scheduler.add(request)  # raises if the pool could never hold it
+        self._next_id += numbered  # a refused request uses up no id
         self._tracked[request_id] = _Tracked(request, make_generator(params.seed, self.model.device),
                                              metrics=RequestMetrics(arrival_time=now))
         return request_id

@@ -160,10 +160,11 @@ def _figure_and_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Fig
 
 # --- Part II: the engine's block map and timeline -----------------------------------------
 
-def request_color(request_id: str) -> tuple[float, float, float, float]:
+def request_color(request_id: str) -> tuple[float, ...]:
     """A stable colour per request, the same in every picture of one run."""
     key = int(request_id) if request_id.isdigit() else sum(map(ord, request_id))
-    return plt.get_cmap("tab10")(key % 10)
+    palette = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]  # no grey: grey means free
+    return palette[key % len(palette)]
 
 
 def plot_block_map(record: StepRecord, ax: Axes | None = None, *, columns: int | None = None,

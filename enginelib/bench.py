@@ -1,0 +1,506 @@
+"""``python -m enginelib.bench``: every system on the same workload, in one process.
+
+Ratios measured side by side in one process hold on a noisy machine where
+absolute numbers do not. The run also measures the machine itself (matmul
+peak, memory bandwidth) so the engine can be placed against its limits.
+
+    python -m enginelib.bench --quick --json bench.json
+    python -m enginelib.bench --workload seed --systems naive,static,engine
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .baselines import generate_cached, generate_naive, generate_static
+from .block_pool import BlockPool
+from .device import pick_device, set_threads
+from .engine import Engine, EngineConfig
+from .model import Transformer
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+from .weights import DEFAULT_MODEL, load_model
+
+SYSTEMS = ("naive", "kv_cache", "static", "hf_static", "engine")
+WORKLOADS = ("seed", "mixed", "poisson", "shared-prefix")
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
+    "List three colors.", "Tell me a story about a dragon.", "What is 12 times 7?", "Name a fruit.",
+    "How do airplanes fly?", "Give me a recipe for pancakes.", "What is photosynthesis?",
+    "Describe a sunset.", "Why do cats purr?", "What is a black hole?", "Write a limerick about a cat.",
+    "How does a computer work?", "What causes rain?", "Explain what DNA is.", "What is the speed of light?",
+    "Suggest a name for a dog.", "Why is the sky blue?", "What is an atom?", "How do vaccines work?",
+    "What is the tallest mountain?", "Write a short poem about autumn.", "What are prime numbers?",
+    "How do bees make honey?", "What is inflation?", "Describe the water cycle.", "Who wrote Hamlet?",
+    "What is machine learning?", "How do magnets work?", "What is a volcano?", "Explain recursion.",
+    "What do pandas eat?", "How far is the Moon?", "What is the internet?",
+]
+
+
+# --- workloads ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    arrival_s: float = 0.0   # seconds after the start (Poisson arrivals)
+    arrival_step: int = 0    # engine steps after the start (requests injected mid-decode)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: list[BenchRequest]
+    ignore_eos: bool = True
+
+    def params(self, request: BenchRequest) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=self.ignore_eos)
+
+
+def _chat(tok: Tokenizer, question: str, system: str | None = None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    return tok.encode(tok.apply_chat_template(messages))
+
+
+def make_workload(name: str, tok: Tokenizer, quick: bool = False, rate: float = 2.0) -> Workload:
+    """The named workload, deterministic (seeded); ``quick`` shrinks it to fit a 2-core CPU in minutes."""
+    rng = random.Random(0)
+    if name == "seed":  # the seed project's benchmark: 28 prompts, 6 more after the 5th step, 128 tokens
+        first, later, new = (12, 4, 32) if quick else (28, 6, 128)
+        reqs = [BenchRequest(_chat(tok, QUESTIONS[i % len(QUESTIONS)]), new, arrival_step=0 if i < first else 5)
+                for i in range(first + later)]
+        return Workload(name, reqs)
+    if name == "mixed":  # long-tailed prompt and output lengths
+        n, cap = (12, 64) if quick else (32, 256)
+        reqs = []
+        for i in range(n):
+            words = min(300, int(rng.lognormvariate(3.0, 1.0)))
+            question = QUESTIONS[i % len(QUESTIONS)] + " " + " ".join(rng.choice(QUESTIONS).split()[:1] * words)
+            reqs.append(BenchRequest(_chat(tok, question), max(4, min(cap, int(rng.lognormvariate(3.5, 0.8))))))
+        return Workload(name, reqs)
+    if name == "poisson":  # arrivals at `rate` requests per second
+        n, new = (12, 24) if quick else (32, 64)
+        t, reqs = 0.0, []
+        for i in range(n):
+            t += rng.expovariate(rate)
+            reqs.append(BenchRequest(_chat(tok, QUESTIONS[i % len(QUESTIONS)]), new, arrival_s=t))
+        return Workload(name, reqs)
+    if name == "shared-prefix":  # many requests behind one long system prompt
+        n, new = (12, 24) if quick else (32, 64)
+        system = ("You are a meticulous assistant for a bakery. Answer briefly and kindly. " * 12).strip()
+        reqs = [BenchRequest(_chat(tok, QUESTIONS[i % len(QUESTIONS)], system), new) for i in range(n)]
+        return Workload(name, reqs)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+# --- measuring one system ---------------------------------------------------------------
+
+@dataclass
+class SystemResult:
+    """What one system did on one workload: throughput and per-request latencies (seconds)."""
+
+    name: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    note: str = ""
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def summary(self) -> dict:
+        return {"tok_per_s": self.tok_per_s, "output_tokens": self.output_tokens, "seconds": self.seconds,
+                "requests": self.requests,
+                "ttft_p50_s": _pct(self.ttft, 50), "ttft_p99_s": _pct(self.ttft, 99),
+                "tpot_p50_s": _pct(self.tpot, 50), "tpot_p99_s": _pct(self.tpot, 99),
+                "e2e_p50_s": _pct(self.e2e, 50), "note": self.note}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def _latencies(result: SystemResult, arrival: float, token_times: list[float]) -> None:
+    """Add one request's TTFT, TPOT and end-to-end latency (absolute perf_counter times)."""
+    result.ttft.append(token_times[0] - arrival)
+    if len(token_times) > 1:
+        result.tpot.append((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+    result.e2e.append(token_times[-1] - arrival)
+
+
+def _sync(model: Transformer) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_one_at_a_time(name: str, generate: Callable, model: Transformer, tok: Tokenizer,
+                      wl: Workload, limit: int | None = None) -> SystemResult:
+    """Serve requests one after another in arrival order (naive or with a contiguous cache)."""
+    reqs = wl.requests[:limit] if limit else wl.requests
+    result = SystemResult(name, len(reqs), 0, 0.0,
+                          note=f"measured on the first {len(reqs)} of {len(wl.requests)} requests" if limit else "")
+    start = time.perf_counter()
+    for r in tqdm(reqs, desc=name, leave=False):
+        arrival = start + r.arrival_s
+        if time.perf_counter() < arrival:
+            time.sleep(arrival - time.perf_counter())
+        began = time.perf_counter()
+        gen = generate(model, r.prompt_ids, wl.params(r), tok.eos_token_id)
+        _sync(model)
+        result.output_tokens += len(gen.token_ids)
+        result.outputs.append(gen.token_ids)
+        _latencies(result, arrival, [began + t for t in gen.token_times])
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def run_static(model: Transformer, tok: Tokenizer, wl: Workload, batch_size: int) -> SystemResult:
+    """Padded static batches of ``batch_size`` in arrival order; each runs to its longest request."""
+    result = SystemResult("static", len(wl.requests), 0, 0.0, note=f"B={batch_size}")
+    start = time.perf_counter()
+    for i in tqdm(range(0, len(wl.requests), batch_size), desc="static", leave=False):
+        group = wl.requests[i:i + batch_size]
+        ready = start + max(r.arrival_s for r in group)
+        if time.perf_counter() < ready:
+            time.sleep(ready - time.perf_counter())
+        began = time.perf_counter()
+        longest = max(r.max_tokens for r in group)
+        run = generate_static(model, [r.prompt_ids for r in group],
+                              SamplingParams(temperature=0, max_tokens=longest, ignore_eos=wl.ignore_eos),
+                              tok.eos_token_id)
+        _sync(model)
+        for r, gen in zip(group, run.generations):
+            mine = gen.token_ids[:r.max_tokens]  # tokens past a request's own limit are waste, not output
+            result.output_tokens += len(mine)
+            result.outputs.append(mine)
+            _latencies(result, start + r.arrival_s, [began + t for t in gen.token_times[:len(mine)]])
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def run_engine(model: Transformer, tok: Tokenizer, wl: Workload, config: EngineConfig) -> SystemResult:
+    """Continuous batching: each request joins at its arrival (in seconds or in engine steps)."""
+    engine = Engine(model, tok, config)
+    result = SystemResult("engine", len(wl.requests), 0, 0.0, note=f"max_num_seqs={config.max_num_seqs}")
+    pending = sorted(range(len(wl.requests)), key=lambda i: (wl.requests[i].arrival_step, wl.requests[i].arrival_s))
+    ids: dict[str, int] = {}
+    start = time.perf_counter()
+    with tqdm(total=len(wl.requests), desc="engine", leave=False) as bar:
+        while pending or engine.has_unfinished_requests():
+            now = time.perf_counter() - start
+            while pending and wl.requests[pending[0]].arrival_step <= engine.steps \
+                    and wl.requests[pending[0]].arrival_s <= now:
+                i = pending.pop(0)
+                ids[engine.add_request(wl.requests[i].prompt_ids, wl.params(wl.requests[i]))] = i
+            if not engine.has_unfinished_requests() and wl.requests[pending[0]].arrival_s > now:
+                time.sleep(wl.requests[pending[0]].arrival_s - now)
+                continue
+            bar.update(sum(out.finished for out in engine.step()))
+    _sync(model)
+    result.seconds = time.perf_counter() - start
+    for rid, i in sorted(ids.items(), key=lambda kv: kv[1]):
+        req = engine.request(rid)
+        result.output_tokens += len(req.output_token_ids)
+        result.outputs.append(req.output_token_ids)
+        _latencies(result, start + wl.requests[i].arrival_s, req.token_times)
+    return result
+
+
+def load_hf(device: torch.device, dtype: torch.dtype):
+    """transformers' own model on the same GGUF file, or None when transformers is absent."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    from .weights import fetch
+
+    path = fetch()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return hf.to(device).eval()
+
+
+@torch.inference_mode()
+def run_hf_static(hf, tok: Tokenizer, wl: Workload, batch_size: int, device: torch.device) -> SystemResult:
+    """Hugging Face ``generate``, greedy, in padded static batches of ``batch_size``."""
+    result = SystemResult("hf_static", len(wl.requests), 0, 0.0, note=f"transformers generate, B={batch_size}")
+    pad = tok.eos_token_id
+    start = time.perf_counter()
+    for i in tqdm(range(0, len(wl.requests), batch_size), desc="hf_static", leave=False):
+        group = wl.requests[i:i + batch_size]
+        width = max(len(r.prompt_ids) for r in group)
+        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in group], device=device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in group],
+                            device=device)
+        longest = max(r.max_tokens for r in group)
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                          do_sample=False, pad_token_id=pad)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        done = time.perf_counter()
+        for row, r in enumerate(group):
+            mine = out[row, width:width + r.max_tokens].tolist()
+            result.output_tokens += len(mine)
+            result.outputs.append(mine)
+            result.e2e.append(done - (start + r.arrival_s))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+# --- the machine and the engine against it ------------------------------------------------
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of a square matmul: the compute roof."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / min(times[1:])
+
+
+def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Best bytes/s of summing a large float32 tensor: the memory roof for decode."""
+    x = torch.ones(megabytes * 2**20 // 4, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        x.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return x.nbytes / min(times[1:])
+
+
+def decode_flops_per_token(model: Transformer, context: int) -> float:
+    """Matmul FLOPs to decode one token at ``context``: weights (LM head once) plus attention."""
+    cfg = model.cfg
+    per_layer = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
+        + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    weights = cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
+    attention = cfg.num_layers * 2 * cfg.num_heads * cfg.head_dim * context
+    return 2 * weights + 2 * attention
+
+
+def decode_step_time(model: Transformer, tok: Tokenizer, batch: int, new_tokens: int) -> tuple[float, int]:
+    """Median time of pure decode steps with ``batch`` running requests, and their mean context."""
+    engine = Engine(model, tok, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 64),
+                                             record=True))
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(_chat(tok, QUESTIONS[i % len(QUESTIONS)]), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    times = [b.time - a.time for a, b in zip(engine.history, engine.history[1:])
+             if not b.prefill and len(b.scheduled) == batch]
+    context = statistics.mean(sum(b.num_cached.values()) / batch for b in engine.history if b.num_cached)
+    return statistics.median(times), int(context)
+
+
+def kv_waste(wl: Workload, block_size: int, max_len: int, outputs: list[list[int]]) -> dict:
+    """Share of reserved KV slots holding no token: paged (a block at a time) vs reserve-max-len."""
+    lengths = [len(r.prompt_ids) + len(o) - 1 for r, o in zip(wl.requests, outputs)]
+    paged_slots = sum(-(-n // block_size) * block_size for n in lengths)
+    return {"paged": 1 - sum(lengths) / paged_slots, "contiguous": 1 - sum(lengths) / (max_len * len(lengths)),
+            "max_len": max_len, "block_size": block_size}
+
+
+def concurrency(wl: Workload, outputs: list[list[int]], block_size: int, max_len: int,
+                budget_tokens: int) -> dict:
+    """How many of the workload's requests one KV budget holds at once, paged vs contiguous."""
+    pool = BlockPool(budget_tokens // block_size, block_size)
+    held = 0
+    for r, o in zip(wl.requests * 1000, outputs * 1000):  # as many as fit, cycling through the workload
+        need = pool.blocks_for(len(r.prompt_ids) + len(o) - 1)
+        if not pool.can_allocate(need):
+            break
+        pool.allocate(need)
+        held += 1
+    return {"paged": held, "contiguous": budget_tokens // max_len, "budget_tokens": budget_tokens}
+
+
+# --- the command -------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m enginelib.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small workloads: about 3 minutes on a 2-core CPU")
+    ap.add_argument("--workload", default="seed", help=f"comma-separated, from {', '.join(WORKLOADS)}, or 'all'")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: $ENGINELIB_THREADS or <= 4)")
+    ap.add_argument("--batch-size", type=int, default=8, help="B for the static systems")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="the engine's running-request limit")
+    ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
+    ap.add_argument("--max-len", type=int, default=2048, help="what a contiguous cache reserves per request")
+    ap.add_argument("--naive-requests", type=int, default=None,
+                    help="serve only this many requests with naive/kv_cache (they are slow); default 2 quick, 4 full")
+    ap.add_argument("--json", type=Path, default=None, help="write every figure to this file")
+    args = ap.parse_args(argv)
+
+    threads = set_threads(args.threads)
+    device = pick_device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model, tok = load_model(args.model, device=device, dtype=dtype, progress=False)
+    workloads = WORKLOADS if args.workload == "all" else tuple(args.workload.split(","))
+    systems = tuple(args.systems.split(","))
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    few = args.naive_requests or (2 if args.quick else 4)
+    hf = load_hf(device, model.dtype) if "hf_static" in systems else None
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096)
+
+    warm = Workload("warm-up", [BenchRequest(_chat(tok, "hi"), 4)])
+    run_engine(model, tok, warm, config)
+    run_one_at_a_time("warm-up", generate_cached, model, tok, warm)
+
+    report: dict = {"machine": {"torch": torch.__version__, "threads": threads, "device": str(device),
+                                "dtype": str(model.dtype).removeprefix("torch."), "model": str(args.model),
+                                "quick": args.quick},
+                    "workloads": {}}
+    for name in workloads:
+        wl = make_workload(name, tok, args.quick, args.rate)
+        results: dict[str, SystemResult] = {}
+        for system in systems:
+            if system == "naive":
+                results[system] = run_one_at_a_time("naive", generate_naive, model, tok, wl, few)
+            elif system == "kv_cache":
+                results[system] = run_one_at_a_time("kv_cache", generate_cached, model, tok, wl, 2 * few)
+            elif system == "static":
+                results[system] = run_static(model, tok, wl, args.batch_size)
+            elif system == "hf_static" and hf is not None:
+                results[system] = run_hf_static(hf, tok, wl, args.batch_size, device)
+            elif system == "engine":
+                results[system] = run_engine(model, tok, wl, config)
+        report["workloads"][name] = {s: r.summary() for s, r in results.items()}
+        _check_same_tokens(results)
+        if name == workloads[0]:
+            report["systems"] = report["workloads"][name]
+            first = results
+        _print_table(name, results)
+
+    report["ratios"] = _ratios(report["systems"])
+    if hf is None and "hf_static" in systems:
+        report["notes"] = ["transformers is not installed: hf_static skipped"]
+    report |= _roofline(model, tok, hf, device, args.quick)
+    report["ratios"]["single_stream_vs_hf"] = report.pop("_single_stream_vs_hf")
+    engine_outputs = first["engine"].outputs if "engine" in first else None
+    wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
+    if engine_outputs:
+        report["kv_waste"] = kv_waste(wl0, config.block_size, args.max_len, engine_outputs)
+        budget = concurrency(wl0, engine_outputs, config.block_size, args.max_len, budget_tokens=32 * args.max_len)
+        report["concurrency"] = budget
+        report["concurrency_ratio"] = budget["paged"] / budget["contiguous"]
+    _print_summary(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return report
+
+
+def _check_same_tokens(results: dict[str, SystemResult]) -> None:
+    """Every system must produce the same greedy tokens per request: report any that differ."""
+    ref = results.get("kv_cache") or results.get("naive")
+    for name, r in results.items():
+        for i, (a, b) in enumerate(zip(ref.outputs if ref else [], r.outputs)):
+            if a != b:
+                r.note += f"; request {i} differs from {ref.name}"
+                break
+
+
+def _ratios(systems: dict) -> dict:
+    def ratio(a: str, b: str) -> float | None:
+        return systems[a]["tok_per_s"] / systems[b]["tok_per_s"] if a in systems and b in systems else None
+
+    return {"engine_vs_naive": ratio("engine", "naive"), "engine_vs_kv_cache": ratio("engine", "kv_cache"),
+            "engine_vs_static": ratio("engine", "static"), "engine_vs_hf_static": ratio("engine", "hf_static")}
+
+
+def _roofline(model: Transformer, tok: Tokenizer, hf, device: torch.device, quick: bool) -> dict:
+    """Peak, bandwidth, decode MFU at batch 32, and single-stream decode against the bandwidth roof."""
+    peak = matmul_peak(device, model.dtype)
+    bandwidth = read_bandwidth(device)
+    step, context = decode_step_time(model, tok, 32, 8 if quick else 32)
+    mfu = 32 * decode_flops_per_token(model, context) / step / peak
+    weight_bytes = model.num_parameters() * model.dtype.itemsize
+    roof_tok_s = bandwidth / weight_bytes
+    single, _ = decode_step_time(model, tok, 1, 16 if quick else 64)
+    hf_single = _hf_single_stream(hf, tok, device, 16 if quick else 64) if hf is not None else None
+    return {"machine_peak_flops": peak, "machine_read_bandwidth": bandwidth,
+            "mfu_decode_b32": mfu, "decode_b32_step_s": step,
+            "single_stream_tok_per_s": 1 / single, "single_stream_roofline_tok_per_s": roof_tok_s,
+            "single_stream_roofline_frac": (1 / single) / roof_tok_s,
+            "hf_single_stream_tok_per_s": hf_single,
+            "_single_stream_vs_hf": (1 / single) / hf_single if hf_single else None}
+
+
+@torch.inference_mode()
+def _hf_single_stream(hf, tok: Tokenizer, device: torch.device, new_tokens: int) -> float:
+    ids = torch.tensor([_chat(tok, QUESTIONS[0])], device=device)
+    hf.generate(ids, max_new_tokens=2, do_sample=False)
+    t = time.perf_counter()
+    hf.generate(ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False)
+    t1 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=1, do_sample=False)
+    prefill = time.perf_counter() - t1
+    return new_tokens / (t1 - t - prefill)
+
+
+def _fmt(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def _print_table(name: str, results: dict[str, SystemResult]) -> None:
+    base = results.get("naive")
+    print(f"\nworkload {name}")
+    print(f"{'system':<10} {'tok/s':>8} {'x naive':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+          f"{'TPOT p99':>9} {'e2e p50':>8}  note")
+    for r in results.values():
+        s = r.summary()
+        print(f"{r.name:<10} {r.tok_per_s:>8.1f} {_fmt(r.tok_per_s / base.tok_per_s if base else None):>8} "
+              f"{_fmt(s['ttft_p50_s'], 1e3, 0):>7}ms {_fmt(s['ttft_p99_s'], 1e3, 0):>7}ms "
+              f"{_fmt(s['tpot_p50_s'], 1e3, 0):>7}ms {_fmt(s['tpot_p99_s'], 1e3, 0):>7}ms "
+              f"{_fmt(s['e2e_p50_s'], 1, 2):>7}s  {r.note.strip('; ')}")
+
+
+def _print_summary(report: dict) -> None:
+    r = report["ratios"]
+    print("\nratios: " + ", ".join(f"{k} {_fmt(v, 1, 2)}" for k, v in r.items()))
+    print(f"machine: {report['machine_peak_flops'] / 1e9:.0f} GFLOP/s matmul peak, "
+          f"{report['machine_read_bandwidth'] / 1e9:.1f} GB/s read bandwidth "
+          f"({report['machine']['threads']} threads, {report['machine']['device']}, {report['machine']['dtype']})")
+    print(f"decode MFU at batch 32: {report['mfu_decode_b32']:.1%}; single stream "
+          f"{report['single_stream_tok_per_s']:.1f} tok/s = {report['single_stream_roofline_frac']:.0%} of the "
+          f"bandwidth roofline ({report['single_stream_roofline_tok_per_s']:.1f} tok/s)")
+    if "kv_waste" in report:
+        w, c = report["kv_waste"], report["concurrency"]
+        print(f"KV waste: paged {w['paged']:.1%} vs reserve-{w['max_len']} {w['contiguous']:.1%}; "
+              f"a {c['budget_tokens']}-token budget holds {c['paged']} requests paged vs {c['contiguous']} contiguous "
+              f"({report['concurrency_ratio']:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The benchmark runs end to end and writes the JSON schema other tools read."""
+from __future__ import annotations
+
+import json
+
+from enginelib import bench
+
+SCHEMA = [
+    "systems.engine.tok_per_s", "systems.engine.ttft_p50_s", "systems.engine.tpot_p50_s",
+    "systems.kv_cache.tok_per_s", "ratios.engine_vs_naive", "ratios.engine_vs_static",
+    "ratios.engine_vs_hf_static", "ratios.single_stream_vs_hf", "single_stream_roofline_frac",
+    "mfu_decode_b32", "kv_waste.paged", "kv_waste.contiguous", "concurrency_ratio",
+    "machine.torch", "machine.threads", "machine.device", "machine.dtype",
+]
+
+
+def lookup(report: dict, dotted: str):
+    for key in dotted.split("."):
+        report = report[key]
+    return report
+
+
+def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
+    out = tmp_path / "bench.json"
+    report = bench.main(["--quick", "--systems", "kv_cache,static,engine", "--naive-requests", "1",
+                         "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    for key in SCHEMA:
+        lookup(report, key)  # present (None where a system was not run)
+    assert report["systems"]["engine"]["tok_per_s"] > 0
+    assert report["ratios"]["engine_vs_naive"] is None  # naive was not asked for
+    assert 0 < report["kv_waste"]["paged"] < report["kv_waste"]["contiguous"] < 1
+    assert report["concurrency_ratio"] > 1
+    assert "differs" not in report["systems"]["engine"]["note"], "the engine must match the kv_cache oracle"
+
+
+def test_workloads_are_deterministic(real):
+    _, tok = real
+    for name in bench.WORKLOADS:
+        a, b = bench.make_workload(name, tok, quick=True), bench.make_workload(name, tok, quick=True)
+        assert a == b and len(a.requests) >= 12
+    seed = bench.make_workload("seed", tok)
+    assert len(seed.requests) == 34 and {r.max_tokens for r in seed.requests} == {128}
+    assert sum(r.arrival_step == 5 for r in seed.requests) == 6
