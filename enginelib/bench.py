@@ -251,8 +251,10 @@ def run_hf_static(hf, tok: Tokenizer, wl: Workload, batch_size: int, device: tor
         mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in group],
                             device=device)
         longest = max(r.max_tokens for r in group)
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                          do_sample=False, pad_token_id=pad)
+        # eos_token_id=None: run to max_new_tokens as our systems do with ignore_eos (min_new_tokens
+        # would instead forbid EOS and change the tokens).
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
+                          pad_token_id=pad, eos_token_id=None if wl.ignore_eos else tok.eos_token_id)
         if device.type == "cuda":
             torch.cuda.synchronize()
         done = time.perf_counter()
@@ -462,7 +464,7 @@ def _hf_single_stream(hf, tok: Tokenizer, device: torch.device, new_tokens: int)
     ids = torch.tensor([_chat(tok, QUESTIONS[0])], device=device)
     hf.generate(ids, max_new_tokens=2, do_sample=False)
     t = time.perf_counter()
-    hf.generate(ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False)
+    hf.generate(ids, max_new_tokens=new_tokens + 1, do_sample=False, eos_token_id=None)
     t1 = time.perf_counter()
     hf.generate(ids, max_new_tokens=1, do_sample=False)
     prefill = time.perf_counter() - t1

@@ -22,14 +22,14 @@ from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .tokenizer import Tokenizer
 
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20  # bytes of K/V on a CPU when nothing else is said
-DEFAULT_GPU_KV_FRACTION = 0.4        # of the free GPU memory
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None       # the pool's size; else from kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes for K/V; default 512 MiB (CPU) or 40% of free GPU memory
+    kv_cache_memory: int | None = None  # bytes for K/V; default 512 MiB on a CPU, else the fraction below
+    gpu_memory_fraction: float = 0.4    # of the free GPU memory, when kv_cache_memory is not given
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     record: bool = False                # keep a StepRecord per step (for timelines and block maps)
@@ -80,6 +80,10 @@ class Engine:
         self.config = config = config or EngineConfig()
         num_blocks = config.num_blocks or PagedKVCache.blocks_in_budget(
             model.cfg, config.block_size, model.dtype, self._kv_memory())
+        if num_blocks < 1:
+            block_bytes = config.block_size * model.cfg.kv_bytes_per_token(model.dtype)
+            raise ValueError(f"the KV cache memory ({self._kv_memory()} bytes) holds no block of "
+                             f"{config.block_size} tokens ({block_bytes} bytes): give it more memory")
         self.pool = BlockPool(num_blocks, config.block_size)
         self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
@@ -95,7 +99,7 @@ class Engine:
             return self.config.kv_cache_memory
         if self.model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.model.device)
-            return int(free * DEFAULT_GPU_KV_FRACTION)
+            return int(free * self.config.gpu_memory_fraction)
         return DEFAULT_CPU_KV_MEMORY
 
     # --- requests in and out -------------------------------------------------------------

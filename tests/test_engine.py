@@ -133,6 +133,12 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(real, reference):
     assert engine.pool.num_used == 0
 
 
+def test_a_kv_budget_too_small_for_one_block_is_refused(real):
+    model, tok = real
+    with pytest.raises(ValueError, match="holds no block"):
+        Engine(model, tok, EngineConfig(kv_cache_memory=1000))
+
+
 def test_generate_is_all_or_nothing_on_a_bad_prompt(real):
     model, tok = real
     llm = LLM.from_model(model, tok)
