@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .baselines import generate_cached, generate_naive, generate_static
 from .block_pool import BlockPool
-from .device import pick_device, set_threads
+from .device import PackedLinear, pick_device, set_threads
 from .engine import Engine, EngineConfig
 from .model import Transformer
 from .sampling import SamplingParams
@@ -221,8 +221,21 @@ def run_engine(model: Transformer, tok: Tokenizer, wl: Workload, config: EngineC
         req = engine.request(rid)
         result.output_tokens += len(req.output_token_ids)
         result.outputs.append(req.output_token_ids)
-        _latencies(result, start + wl.requests[i].arrival_s, req.token_times)
+        # A request injected at a step arrives when it is added; one with an arrival time arrives then,
+        # even if a busy step delayed its add (that wait is part of its latency).
+        arrival = req.arrival_time if wl.requests[i].arrival_step else start + wl.requests[i].arrival_s
+        _latencies(result, arrival, req.token_times)
     return result
+
+
+def latency_curve(model: Transformer, tok: Tokenizer, rates: list[float], config: EngineConfig,
+                  quick: bool = True) -> list[dict]:
+    """The engine on the ``poisson`` workload at each arrival rate: throughput against latency."""
+    rows = []
+    for rate in rates:
+        result = run_engine(model, tok, make_workload("poisson", tok, quick, rate), config)
+        rows.append({"rate": rate, **result.summary()})
+    return rows
 
 
 def load_hf(device: torch.device, dtype: torch.dtype):
@@ -282,7 +295,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats
     return 2 * n ** 3 / min(times[1:])
 
 
-def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
+def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 10) -> float:
     """Best bytes/s of summing a large float32 tensor: the memory roof for decode."""
     x = torch.ones(megabytes * 2**20 // 4, device=device)
     times = []
@@ -320,6 +333,62 @@ def decode_step_time(model: Transformer, tok: Tokenizer, batch: int, new_tokens:
     return statistics.median(times), int(context)
 
 
+PHASES = ("schedule", "prepare", "forward", "sample", "update")
+OP_KINDS = {"aten::linear": "matmuls", "aten::matmul": "matmuls", "aten::mm": "matmuls",
+            "aten::addmm": "matmuls", "aten::index_select": "KV gather", "aten::index_copy_": "KV write",
+            "mkldnn::_linear_pointwise": "matmuls"}
+
+
+def _op_kind(name: str) -> str:
+    if "scaled_dot_product" in name:
+        return "attention"
+    return OP_KINDS.get(name, "other ops")
+
+
+def profile_steps(engine: Engine, steps: int = 8) -> dict[str, float]:
+    """Run ``steps`` engine steps under torch.profiler; seconds per step by where they went.
+
+    The step's phases (schedule, prepare, forward, sample, update) are the
+    engine's own ``record_function`` ranges. The forward pass is split further
+    into kinds of operators by their self time (the "KV gather" is every
+    ``index_select``: keys and values through block tables, plus, in a step
+    that mixes prefills and decodes, the few query rows shuffled into groups);
+    what is left of it is Python and dispatch overhead: time between operators.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    per_step: dict[str, float] = {}
+    for event in prof.events():
+        if event.name in PHASES:
+            per_step[event.name] = per_step.get(event.name, 0.0) + event.cpu_time_total
+        parent = event.cpu_parent
+        while parent is not None and parent.name not in PHASES:
+            parent = parent.cpu_parent
+        if parent is not None and parent.name == "forward" and _is_op(event) and not _under_op(event):
+            kind = "forward: " + _op_kind(event.name)
+            per_step[kind] = per_step.get(kind, 0.0) + event.cpu_time_total
+    ops = sum(v for k, v in per_step.items() if k.startswith("forward: "))
+    per_step["forward: python & dispatch"] = per_step.get("forward", 0.0) - ops
+    return {k: v / 1e6 / steps for k, v in per_step.items()}  # profiler times are in microseconds
+
+
+def _is_op(event) -> bool:
+    return event.name.startswith(("aten::", "mkldnn::"))
+
+
+def _under_op(event) -> bool:
+    """Whether an operator was called by another operator (count only the outermost)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if _is_op(parent):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def kv_waste(wl: Workload, block_size: int, max_len: int, outputs: list[list[int]]) -> dict:
     """Share of reserved KV slots holding no token: paged (a block at a time) vs reserve-max-len."""
     lengths = [len(r.prompt_ids) + len(o) - 1 for r, o in zip(wl.requests, outputs)]
@@ -353,6 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: $ENGINELIB_THREADS or <= 4)")
+    ap.add_argument("--no-pack", action="store_true", help="keep torch's default CPU matmul (no oneDNN packing)")
     ap.add_argument("--batch-size", type=int, default=8, help="B for the static systems")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="the engine's running-request limit")
     ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
@@ -365,7 +435,8 @@ def main(argv: list[str] | None = None) -> dict:
     threads = set_threads(args.threads)
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model, tok = load_model(args.model, device=device, dtype=dtype, progress=False)
+    model, tok = load_model(args.model, device=device, dtype=dtype, progress=False,
+                            pack=False if args.no_pack else None)
     workloads = WORKLOADS if args.workload == "all" else tuple(args.workload.split(","))
     systems = tuple(args.systems.split(","))
     for s in systems:
@@ -381,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     report: dict = {"machine": {"torch": torch.__version__, "threads": threads, "device": str(device),
                                 "dtype": str(model.dtype).removeprefix("torch."), "model": str(args.model),
+                                "packed_linears": any(isinstance(m, PackedLinear) for m in model.modules()),
                                 "quick": args.quick},
                     "workloads": {}}
     for name in workloads:

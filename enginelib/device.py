@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
@@ -30,3 +32,42 @@ def set_threads(threads: int | None = None) -> int:
         raise ValueError(f"threads must be at least 1, got {threads}")
     torch.set_num_threads(threads)
     return threads
+
+
+class PackedLinear(nn.Linear):
+    """A Linear whose weight is also kept pre-arranged ("packed") for oneDNN's CPU matmul.
+
+    Decode multiplies a few rows by big weight matrices; oneDNN's kernels on a
+    packed copy run these shapes up to 2x faster than the default BLAS call.
+    The original ``weight`` stays (for inspection, and for any input the packed
+    copy does not serve: another device or dtype). Pack after the weights are final.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack(model: nn.Module) -> bool:
+    """Packing pays for float32 weights on a CPU whose torch build has oneDNN."""
+    weight = next(model.parameters())
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every ``nn.Linear`` in ``model`` for a :class:`PackedLinear`; return how many."""
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, PackedLinear(child))
+                swapped += 1
+    return swapped

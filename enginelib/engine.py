@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from .batch import Batch, SequenceWork
 from .block_pool import BlockPool, PoolStats
@@ -156,32 +157,38 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that moved (and any just aborted)."""
-        plan = self.scheduler.schedule()
+        with record_function("schedule"):  # named phases show up in torch.profiler (chapter 8)
+            plan = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
         if not plan.is_empty:
             tokens = self._run_model(plan)
-            now = time.perf_counter()
-            self.scheduler.update(plan, tokens)
-            for work in plan.scheduled:
-                tracked = self._tracked[work.request.request_id]
-                self._record_token(tracked, work.request, now)
-                outputs.append(self._output(tracked))
+            with record_function("update"):
+                now = time.perf_counter()
+                self.scheduler.update(plan, tokens)
+                for work in plan.scheduled:
+                    tracked = self._tracked[work.request.request_id]
+                    self._record_token(tracked, work.request, now)
+                    outputs.append(self._output(tracked))
         self.steps += 1
         if self.config.record:
             self.history.append(self._snapshot(plan))
         return outputs
 
     def _run_model(self, plan: SchedulerOutput) -> list[int]:
-        seqs = [SequenceWork(w.request.all_token_ids[w.request.num_computed_tokens:],
-                             w.request.num_computed_tokens, w.request.block_table) for w in plan.scheduled]
-        batch = Batch.build(seqs, self.pool.block_size, self.model.device)
-        logits = self.model(batch.token_ids[None], self.cache.bind(batch), logits_indices=batch.logits_indices)
-        tokens = logits.argmax(dim=-1).tolist()  # greedy rows: one sync for the whole batch
-        for row, work in enumerate(plan.scheduled):
-            params = work.request.params
-            if not params.greedy:
-                generator = self._tracked[work.request.request_id].generator
-                tokens[row] = int(sample(logits[row:row + 1], params, generator)[0])
+        with record_function("prepare"):
+            seqs = [SequenceWork(w.request.all_token_ids[w.request.num_computed_tokens:],
+                                 w.request.num_computed_tokens, w.request.block_table) for w in plan.scheduled]
+            batch = Batch.build(seqs, self.pool.block_size, self.model.device)
+            cache = self.cache.bind(batch)
+        with record_function("forward"):
+            logits = self.model(batch.token_ids[None], cache, logits_indices=batch.logits_indices)
+        with record_function("sample"):
+            tokens = logits.argmax(dim=-1).tolist()  # greedy rows: one sync for the whole batch
+            for row, work in enumerate(plan.scheduled):
+                params = work.request.params
+                if not params.greedy:
+                    generator = self._tracked[work.request.request_id].generator
+                    tokens[row] = int(sample(logits[row:row + 1], params, generator)[0])
         return tokens
 
     def _record_token(self, tracked: _Tracked, request: Request, now: float) -> None:

@@ -62,16 +62,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 
-    q: [B, T, H, D]; k, v: [B, S, KV, D]; mask: broadcastable to [B, H, T, S]
-    (True = may attend). Each KV head serves H // KV query heads.
+    q: [B, T, H, D]; k, v: [B, S, KV, D]; mask: broadcastable to [B, 1, T, S]
+    (True = may attend). Each KV head serves G = H // KV query heads. Rather
+    than copy every K/V head G times, the G query heads of a group are folded
+    into the query axis: [B, KV, G*T, D] queries attend to [B, KV, S, D] keys.
     """
-    groups = q.shape[2] // k.shape[2]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
-    return out.transpose(1, 2)
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    if causal and mask is None:  # the last query sees every key; earlier ones one fewer each
+        s = k.shape[1]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    if mask is not None and g > 1 and t > 1:
+        mask = mask.repeat(*[1] * (mask.dim() - 2), g, 1)  # row (group j, query i) = mask row i
+    q = q.reshape(b, t, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.reshape(b, kv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 class RMSNorm(nn.Module):
@@ -83,9 +89,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # x * rsqrt(mean(x^2) + eps) * weight, computed in float32; torch's fused op does exactly that
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -118,9 +123,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, layer: int, cache: Cache | None) -> torch.Tensor:
         b, t, _ = x.shape
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split([self.split[0] + self.split[1], self.split[2]], dim=-1)
+        # q and k turn by the same angles: rotate all their heads in one go
+        qk = apply_rope(qk.view(b, t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=2)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         out = attention(q, k, v, causal=True) if cache is None else cache.attend(layer, q, k, v)
         return self.o_proj(out.reshape(b, t, -1))

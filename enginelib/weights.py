@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .device import default_dtype, pick_device
+from .device import can_pack, default_dtype, pack_linears, pick_device
 from .model import ModelConfig, Transformer
 from .tokenizer import Tokenizer
 
@@ -220,12 +220,21 @@ def read_checkpoint(path: Path, progress: bool = True) -> tuple[ModelConfig, dic
 
 
 def load_model(model: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, progress: bool = True) -> tuple[Transformer, Tokenizer]:
-    """Load a model and its tokenizer, ready for inference on ``device`` (CUDA if present)."""
+               dtype: torch.dtype | None = None, progress: bool = True,
+               pack: bool | None = None) -> tuple[Transformer, Tokenizer]:
+    """Load a model and its tokenizer, ready for inference on ``device`` (CUDA if present).
+
+    ``pack`` swaps the linear layers for oneDNN-packed ones (:func:`device.pack_linears`);
+    by default it does so where that pays: float32 on a CPU.
+    """
     cfg, weights, tokenizer = read_checkpoint(resolve(model), progress)
     net = Transformer.from_state_dict(cfg, weights)
     dev = pick_device(device)
     net = net.to(device=dev, dtype=dtype or default_dtype(dev)).eval().requires_grad_(False)
+    if pack or (pack is None and can_pack(net)):
+        if not can_pack(net):
+            raise ValueError("pack=True needs float32 weights on a CPU and a torch build with oneDNN")
+        pack_linears(net)
     return net, tokenizer
 
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 
-from enginelib import bench
+import pytest
+
+from enginelib import Engine, EngineConfig, SamplingParams, bench
 
 SCHEMA = [
     "systems.engine.tok_per_s", "systems.engine.ttft_p50_s", "systems.engine.tpot_p50_s",
@@ -42,3 +44,24 @@ def test_workloads_are_deterministic(real):
     seed = bench.make_workload("seed", tok)
     assert len(seed.requests) == 34 and {r.max_tokens for r in seed.requests} == {128}
     assert sum(r.arrival_step == 5 for r in seed.requests) == 6
+
+
+def test_the_step_profile_splits_the_forward_pass_without_losing_time(real):
+    model, tok = real
+    engine = Engine(model, tok, EngineConfig(max_num_seqs=4))
+    for question in bench.QUESTIONS[:4]:
+        engine.add_request(bench._chat(tok, question), SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.step()  # the prefills
+    profile = bench.profile_steps(engine, steps=3)
+    assert set(bench.PHASES) <= set(profile)
+    parts = {k: v for k, v in profile.items() if k.startswith("forward: ")}
+    assert {"forward: matmuls", "forward: attention", "forward: KV gather", "forward: KV write"} <= set(parts)
+    assert sum(parts.values()) == pytest.approx(profile["forward"])
+    assert profile["forward: matmuls"] > profile["forward: KV write"] > 0
+
+
+def test_the_latency_curve_has_a_row_per_rate(real):
+    model, tok = real
+    rows = bench.latency_curve(model, tok, [50.0, 100.0], EngineConfig(), quick=True)
+    assert [r["rate"] for r in rows] == [50.0, 100.0]
+    assert all(r["tok_per_s"] > 0 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0 for r in rows)

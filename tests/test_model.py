@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from enginelib.device import PackedLinear, can_pack, pack_linears
 from enginelib.kv_cache import ContiguousKVCache
 from enginelib.model import ModelConfig, Transformer, apply_rope, attention, rope_cos_sin
 
@@ -51,6 +52,36 @@ def test_grouped_query_attention_equals_the_textbook_formula():
         scores = q[:, :, h] @ k[:, :, kv].transpose(1, 2) / math.sqrt(8)
         scores = scores.masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf"))
         torch.testing.assert_close(out[:, :, h], scores.softmax(-1) @ v[:, :, kv], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_grouped_query_attention_with_a_mask_and_cached_keys(t):
+    """Queries at the end of a longer sequence (a decode, a chunk of prefill), each row its own mask."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, t, 6, 8), torch.randn(2, 7, 2, 8), torch.randn(2, 7, 2, 8)
+    mask = torch.rand(2, 1, t, 7) > 0.3
+    mask[..., -1] = True  # no row fully masked
+    out = attention(q, k, v, mask)
+    for h in range(6):
+        scores = q[:, :, h] @ k[:, :, h // 3].transpose(1, 2) / math.sqrt(8)
+        scores = scores.masked_fill(~mask[:, 0], float("-inf"))
+        torch.testing.assert_close(out[:, :, h], scores.softmax(-1) @ v[:, :, h // 3], atol=1e-5, rtol=1e-5)
+    causal = attention(q, k, v, causal=True)  # the last query sees all 7 keys, earlier ones one fewer each
+    full = attention(q, k, v, torch.ones(7, 7, dtype=torch.bool).tril()[-t:])
+    torch.testing.assert_close(causal, full)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_packed_linear_layers_compute_what_the_plain_ones_do(tiny):
+    ids = torch.randint(0, tiny.cfg.vocab_size, (2, 9))
+    plain = tiny(ids)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in tiny.modules())
+    assert can_pack(tiny) and pack_linears(tiny) == linears
+    assert all(type(m) is PackedLinear for m in tiny.modules() if isinstance(m, torch.nn.Linear))
+    torch.testing.assert_close(tiny(ids), plain, atol=1e-4, rtol=1e-4)
+    layer = tiny.layers[0].mlp.down_proj.to(torch.bfloat16)  # the packed copy is float32: the weight serves
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), x @ layer.weight.T)
 
 
 def test_rope_scores_depend_only_on_relative_position():

@@ -12,6 +12,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 import enginelib
+from enginelib.device import PackedLinear
 from enginelib.model import ModelConfig, Transformer
 from enginelib.weights import read_checkpoint, resolve
 
@@ -151,6 +152,17 @@ def test_qwen2_style_qkv_bias_loads_from_safetensors(tmp_path):
     model, _ = enginelib.load_model(tmp_path / "ckpt", device="cpu", progress=False)
     assert model.cfg.qkv_bias
     check_same_model(model, original)
+
+
+def test_packing_is_the_cpu_float32_default_and_can_be_turned_off(tmp_path, original):
+    write_safetensors(tmp_path / "ckpt", original)
+    kinds = {pack: {type(m) for m in enginelib.load_model(tmp_path / "ckpt", device="cpu", progress=False,
+                                                          pack=pack)[0].modules() if isinstance(m, torch.nn.Linear)}
+             for pack in (None, False)}
+    assert kinds[False] == {torch.nn.Linear}
+    assert kinds[None] == ({PackedLinear} if torch.backends.mkldnn.is_available() else {torch.nn.Linear})
+    with pytest.raises(ValueError, match="float32 weights on a CPU"):
+        enginelib.load_model(tmp_path / "ckpt", device="cpu", dtype=torch.bfloat16, progress=False, pack=True)
 
 
 def test_a_missing_path_names_what_can_be_loaded(tmp_path):
