@@ -14,13 +14,14 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # disable=None: bars on a terminal only, none in logs or notebooks
 
 from .baselines import generate_cached, generate_naive, generate_static
 from .block_pool import BlockPool
@@ -159,7 +160,7 @@ def run_one_at_a_time(name: str, generate: Callable, model: Transformer, tok: To
     result = SystemResult(name, len(reqs), 0, 0.0,
                           note=f"measured on the first {len(reqs)} of {len(wl.requests)} requests" if limit else "")
     start = time.perf_counter()
-    for r in tqdm(reqs, desc=name, leave=False):
+    for r in tqdm(reqs, desc=name, leave=False, disable=None):
         arrival = start + r.arrival_s
         if time.perf_counter() < arrival:
             time.sleep(arrival - time.perf_counter())
@@ -177,7 +178,7 @@ def run_static(model: Transformer, tok: Tokenizer, wl: Workload, batch_size: int
     """Padded static batches of ``batch_size`` in arrival order; each runs to its longest request."""
     result = SystemResult("static", len(wl.requests), 0, 0.0, note=f"B={batch_size}")
     start = time.perf_counter()
-    for i in tqdm(range(0, len(wl.requests), batch_size), desc="static", leave=False):
+    for i in tqdm(range(0, len(wl.requests), batch_size), desc="static", leave=False, disable=None):
         group = wl.requests[i:i + batch_size]
         ready = start + max(r.arrival_s for r in group)
         if time.perf_counter() < ready:
@@ -204,7 +205,7 @@ def run_engine(model: Transformer, tok: Tokenizer, wl: Workload, config: EngineC
     pending = sorted(range(len(wl.requests)), key=lambda i: (wl.requests[i].arrival_step, wl.requests[i].arrival_s))
     ids: dict[str, int] = {}
     start = time.perf_counter()
-    with tqdm(total=len(wl.requests), desc="engine", leave=False) as bar:
+    with tqdm(total=len(wl.requests), desc="engine", leave=False, disable=None) as bar:
         while pending or engine.has_unfinished_requests():
             now = time.perf_counter() - start
             while pending and wl.requests[pending[0]].arrival_step <= engine.steps \
@@ -246,8 +247,17 @@ def load_hf(device: torch.device, dtype: torch.dtype):
         return None
     from .weights import fetch
 
+    from transformers.utils import logging as hf_logging
+
     path = fetch()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    bars = hf_logging.is_progress_bar_enabled()
+    if not sys.stderr.isatty():  # like our own bars: none in logs or notebooks
+        hf_logging.disable_progress_bar()
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return hf.to(device).eval()
 
 
@@ -257,7 +267,7 @@ def run_hf_static(hf, tok: Tokenizer, wl: Workload, batch_size: int, device: tor
     result = SystemResult("hf_static", len(wl.requests), 0, 0.0, note=f"transformers generate, B={batch_size}")
     pad = tok.eos_token_id
     start = time.perf_counter()
-    for i in tqdm(range(0, len(wl.requests), batch_size), desc="hf_static", leave=False):
+    for i in tqdm(range(0, len(wl.requests), batch_size), desc="hf_static", leave=False, disable=None):
         group = wl.requests[i:i + batch_size]
         width = max(len(r.prompt_ids) for r in group)
         ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in group], device=device)
@@ -354,6 +364,8 @@ def profile_steps(engine: Engine, steps: int = 8) -> dict[str, float]:
     ``index_select``: keys and values through block tables, plus, in a step
     that mixes prefills and decodes, the few query rows shuffled into groups);
     what is left of it is Python and dispatch overhead: time between operators.
+    These are CPU times: on a GPU they time kernel launches, and the wait for
+    the kernels shows up in "sample", where the sampled tokens are read back.
     """
     from torch.profiler import ProfilerActivity, profile
 
