@@ -243,11 +243,10 @@ def load_hf(device: torch.device, dtype: torch.dtype):
     """transformers' own model on the same GGUF file, or None when transformers is absent."""
     try:
         import transformers
+        from transformers.utils import logging as hf_logging
     except ImportError:
         return None
     from .weights import fetch
-
-    from transformers.utils import logging as hf_logging
 
     path = fetch()
     bars = hf_logging.is_progress_bar_enabled()
