@@ -42,6 +42,7 @@ class Batch:
 
     @classmethod
     def build(cls, seqs: list[SequenceWork], block_size: int, device: torch.device | str = "cpu") -> "Batch":
+        """Lay the work end to end: all of it is built on the host and crosses to ``device`` in one copy."""
         tokens, positions, slots, ends = [], [], [], []
         for s in seqs:
             pos = range(s.start, s.start + len(s.token_ids))
@@ -52,11 +53,23 @@ class Batch:
             slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
             ends.append(len(tokens) - 1)
         width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
+        context_lens = [s.start + len(s.token_ids) for s in seqs]
+        n, num_seqs = len(tokens), len(seqs)
+        flat = to_device(tokens + positions + slots + tables + context_lens + ends, device)
+        token_ids, pos, slot_mapping, block_tables, lens, logits_indices = flat.split(
+            [n, n, n, num_seqs * width, num_seqs, num_seqs])
+        return cls(token_ids, pos, slot_mapping, block_tables.view(num_seqs, width), lens,
+                   [len(s.token_ids) for s in seqs], logits_indices)
 
-        def tensor(x):
-            return torch.tensor(x, dtype=torch.long, device=device)
 
-        return cls(tensor(tokens), tensor(positions), tensor(slots), tensor(tables),
-                   tensor([s.start + len(s.token_ids) for s in seqs]), [len(s.token_ids) for s in seqs],
-                   tensor(ends))
+def to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """One int64 tensor on ``device``, in one host-to-device copy that does not block the host.
+
+    On a GPU the host copy is made in pinned (page-locked) memory: only from
+    there can the copy run asynchronously, while Python prepares the next thing.
+    Split the result into views on the device rather than copying pieces one by one.
+    """
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)

@@ -15,9 +15,38 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """float16 on a GPU (a T4 has no fast bfloat16), float32 on a CPU."""
-    return torch.float16 if device.type == "cuda" else torch.float32
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
+    """float32 on every device, unless ``$ENGINELIB_DTYPE`` (float32|float16|bfloat16) says otherwise.
+
+    A 135M model in float32 fits a T4 easily and keeps greedy tokens exactly
+    equal across batch shapes, which the chapters check; float16 does not keep
+    every argmax (see :mod:`enginelib.checks`) and is the quantization chapter's
+    subject. The variable runs the tests or any chapter in another dtype, also on
+    a CPU, so the code a GPU would run in float16 is exercised everywhere.
+    ``device`` is accepted so that a per-device choice can come back without
+    changing callers; today the answer is the same on every device.
+    """
+    name = os.environ.get("ENGINELIB_DTYPE", "float32").strip().lower()
+    if name not in DTYPES:
+        raise ValueError(f"ENGINELIB_DTYPE={name!r} is not a dtype enginelib runs in: "
+                         f"set it to one of {', '.join(DTYPES)} (or unset it for float32)")
+    return DTYPES[name]
+
+
+def free_gpu_memory(device: torch.device | str) -> int:
+    """Bytes of GPU memory a new allocation can still use on ``device``.
+
+    ``torch.cuda.mem_get_info`` counts what PyTorch's caching allocator has
+    reserved as used, even the part no tensor holds any more (a freed KV pool,
+    a model's temporaries). Taken alone, it shrinks with every later Engine in
+    one process. That reserved-but-unallocated memory is free to PyTorch, so it
+    is added back: ``free + memory_reserved - memory_allocated``.
+    """
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def set_threads(threads: int | None = None) -> int:

@@ -14,6 +14,7 @@ from torch.profiler import record_function
 
 from .batch import Batch, SequenceWork
 from .block_pool import BlockPool, PoolStats
+from .device import free_gpu_memory
 from .kv_cache import PagedKVCache
 from .model import Transformer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
@@ -30,7 +31,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None       # the pool's size; else from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for K/V; default 512 MiB on a CPU, else the fraction below
-    gpu_memory_fraction: float = 0.4    # of the free GPU memory, when kv_cache_memory is not given
+    gpu_memory_fraction: float = 0.4    # of the free GPU memory (device.free_gpu_memory), when kv_cache_memory is not given
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     record: bool = False                # keep a StepRecord per step (for timelines and block maps)
@@ -98,9 +99,8 @@ class Engine:
     def _kv_memory(self) -> int:
         if self.config.kv_cache_memory is not None:
             return self.config.kv_cache_memory
-        if self.model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.model.device)
-            return int(free * self.config.gpu_memory_fraction)
+        if self.model.device.type == "cuda":  # free memory counts what PyTorch caches but no tensor holds
+            return int(free_gpu_memory(self.model.device) * self.config.gpu_memory_fraction)
         return DEFAULT_CPU_KV_MEMORY
 
     # --- requests in and out -------------------------------------------------------------
@@ -183,13 +183,15 @@ class Engine:
         with record_function("forward"):
             logits = self.model(batch.token_ids[None], cache, logits_indices=batch.logits_indices)
         with record_function("sample"):
-            tokens = logits.argmax(dim=-1).tolist()  # greedy rows: one sync for the whole batch
+            # Every row is sampled on the device first (greedy rows by argmax, the others with their own
+            # generators), then one transfer brings the whole step's tokens to the host: one sync per step.
+            tokens = logits.argmax(dim=-1)
             for row, work in enumerate(plan.scheduled):
                 params = work.request.params
                 if not params.greedy:
                     generator = self._tracked[work.request.request_id].generator
-                    tokens[row] = int(sample(logits[row:row + 1], params, generator)[0])
-        return tokens
+                    tokens[row:row + 1] = sample(logits[row:row + 1], params, generator)
+            return tokens.tolist()
 
     def _record_token(self, tracked: _Tracked, request: Request, now: float) -> None:
         m = tracked.metrics

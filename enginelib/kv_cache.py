@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import Batch
-from .model import ModelConfig, attention
+from .batch import Batch, to_device
+from .model import ModelConfig, attention, attention_mask
 
 
 class ContiguousKVCache:
@@ -61,8 +61,10 @@ class ContiguousKVCache:
         end = self.length + t
         if end > self.max_len:
             raise ValueError(f"KV cache is full: {end} tokens do not fit in max_len={self.max_len}")
-        if layer == 0:
-            self._mask = self._build_mask(t)
+        if layer == 0:  # one additive mask per step, shared by every layer
+            allowed = self._build_mask(t)
+            groups = q.shape[2] // k.shape[2]
+            self._mask = None if allowed is None else attention_mask(allowed, groups, q.dtype)
         self.k[layer, :, self.length:end] = k
         self.v[layer, :, self.length:end] = v
         return attention(q, self.k[layer, :, :end], self.v[layer, :, :end], self._mask)
@@ -79,33 +81,45 @@ class _AttentionGroup:
 
     rows: torch.Tensor    # [S * Q] row in the flat batch of each query (padding repeats the last real one)
     blocks: torch.Tensor  # [S * max_blocks] the sequences' block tables, end to end
-    mask: torch.Tensor    # [S, 1, Q, max_blocks * block_size] True = may attend
+    mask: torch.Tensor    # [S, 1, G * Q, max_blocks * block_size] additive (0 = may attend), from attention_mask
     take: torch.Tensor    # which of the S * Q queries are real, not padding
     dest: torch.Tensor    # the flat-batch row of each real one
     whole: bool           # the group is the whole batch, one query per sequence, in order (all decodes)
 
 
-def _attention_groups(batch: Batch, block_size: int) -> list[_AttentionGroup]:
-    """Decodes (one query each) in one group, prefills in another, so neither pads to the other."""
+def _attention_groups(batch: Batch, block_size: int, num_groups: int = 1,
+                      dtype: torch.dtype = torch.float32) -> list[_AttentionGroup]:
+    """Decodes (one query each) in one group, prefills in another, so neither pads to the other.
+
+    Which rows go where follows from the query lengths alone, which the host
+    knows: the index lists are made in Python and cross to the device in one
+    copy. Only the mask, which needs positions and block tables, is made on the
+    device, once per step, in the additive form every layer then reuses.
+    ``num_groups`` is the number of query heads per KV head.
+    """
     device = batch.token_ids.device
-    starts = torch.tensor([0, *batch.query_lens], device=device).cumsum(0)[:-1]
-    groups = []
-    for pick in ([i for i, n in enumerate(batch.query_lens) if n == 1],
-                 [i for i, n in enumerate(batch.query_lens) if n > 1]):
+    qlens = batch.query_lens
+    starts = [0]
+    for n in qlens[:-1]:
+        starts.append(starts[-1] + n)
+    plans, flat = [], []
+    for pick in ([i for i, n in enumerate(qlens) if n == 1], [i for i, n in enumerate(qlens) if n > 1]):
         if not pick:
             continue
-        idx = torch.tensor(pick, device=device)
-        qlens = torch.tensor([batch.query_lens[i] for i in pick], device=device)
-        offsets = torch.arange(max(batch.query_lens[i] for i in pick), device=device)
-        valid = (offsets[None] < qlens[:, None]).flatten()
-        rows = starts[idx, None] + torch.minimum(offsets[None], qlens[:, None] - 1)
-        tables = batch.block_tables[idx]
-        keys = torch.arange(tables.shape[1] * block_size, device=device)
-        mask = keys[None, None, :] <= batch.positions[rows][:, :, None]  # causal, within its own sequence
-        take = valid.nonzero().squeeze(1)
-        whole = len(pick) == batch.num_tokens  # every token is a decode: no shuffling needed
-        groups.append(_AttentionGroup(rows.flatten(), tables.flatten(), mask[:, None], take,
-                                      rows.flatten()[take], whole))
+        width = max(qlens[i] for i in pick)
+        rows = [starts[i] + min(o, qlens[i] - 1) for i in pick for o in range(width)]
+        take = [j * width + o for j, i in enumerate(pick) for o in range(qlens[i])]
+        dest = [starts[i] + o for i in pick for o in range(qlens[i])]
+        plans.append((len(pick), width, len(take), len(pick) == batch.num_tokens))
+        flat += pick + rows + take + dest
+    pieces = iter(to_device(flat, device).split([n for s, w, r, _ in plans for n in (s, s * w, r, r)]))
+    keys = torch.arange(batch.block_tables.shape[1] * block_size, device=device)
+    groups = []
+    for seqs, width, _, whole in plans:
+        pick, rows, take, dest = next(pieces), next(pieces), next(pieces), next(pieces)
+        allowed = keys[None, None, :] <= batch.positions[rows].view(seqs, width, 1)  # causal, in its own sequence
+        mask = attention_mask(allowed[:, None], num_groups, dtype)
+        groups.append(_AttentionGroup(rows, batch.block_tables[pick].flatten(), mask, take, dest, whole))
     return groups
 
 
@@ -139,6 +153,7 @@ class PagedKVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_groups = cfg.num_heads // cfg.num_kv_heads
         self.batch: Batch | None = None
         self._groups: list[_AttentionGroup] = []
 
@@ -153,7 +168,7 @@ class PagedKVCache:
 
     def bind(self, batch: Batch) -> "PagedKVCache":
         self.batch = batch
-        self._groups = _attention_groups(batch, self.block_size)
+        self._groups = _attention_groups(batch, self.block_size, self.num_groups, self.k.dtype)
         return self
 
     def positions(self, num_tokens: int) -> torch.Tensor:

@@ -58,14 +58,34 @@ class Cache(Protocol):
     def advance(self, num_tokens: int) -> None: ...
 
 
+def attention_mask(allowed: torch.Tensor, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Turn a boolean mask [..., T, S] (True = may attend) into the additive one :func:`attention` uses.
+
+    Build it once per step and hand it to every layer: 0 where a query may
+    attend, -inf elsewhere, in the model's dtype (what SDPA would otherwise
+    convert the boolean mask to in every layer), with each query row repeated
+    for the ``num_groups`` query heads that share a KV head (the folding
+    :func:`attention` does). Its storage is padded to a width that is a multiple
+    of 8 and the view keeps the first S columns: GPU memory-efficient attention
+    kernels want an aligned row stride, and copy a mask that lacks one on every call.
+    """
+    t, s = allowed.shape[-2:]
+    if num_groups > 1 and t > 1:
+        allowed = allowed.repeat(*[1] * (allowed.dim() - 2), num_groups, 1)  # row (group j, query i) = row i
+    width = -(-s // 8) * 8
+    mask = torch.full((*allowed.shape[:-1], width), float("-inf"), dtype=dtype, device=allowed.device)
+    return mask[..., :s].masked_fill_(allowed, 0.0)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 
     q: [B, T, H, D]; k, v: [B, S, KV, D]; mask: broadcastable to [B, 1, T, S]
-    (True = may attend). Each KV head serves G = H // KV query heads. Rather
-    than copy every K/V head G times, the G query heads of a group are folded
-    into the query axis: [B, KV, G*T, D] queries attend to [B, KV, S, D] keys.
+    (True = may attend), or an additive mask from :func:`attention_mask`. Each
+    KV head serves G = H // KV query heads. Rather than copy every K/V head G
+    times, the G query heads of a group are folded into the query axis:
+    [B, KV, G*T, D] queries attend to [B, KV, S, D] keys.
     """
     b, t, h, d = q.shape
     kv = k.shape[2]
@@ -73,7 +93,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if causal and mask is None:  # the last query sees every key; earlier ones one fewer each
         s = k.shape[1]
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
-    if mask is not None and g > 1 and t > 1:
+    if mask is not None and g > 1 and t > 1 and mask.shape[-2] == t:  # not yet folded (a boolean mask)
         mask = mask.repeat(*[1] * (mask.dim() - 2), g, 1)  # row (group j, query i) = mask row i
     q = q.reshape(b, t, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
     out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
@@ -120,7 +140,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer: int, cache: Cache | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, cache: Cache | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         cfg = self.cfg
         qk, v = self.qkv_proj(x).split([self.split[0] + self.split[1], self.split[2]], dim=-1)
@@ -128,7 +149,10 @@ class Attention(nn.Module):
         qk = apply_rope(qk.view(b, t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=2)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        out = attention(q, k, v, causal=True) if cache is None else cache.attend(layer, q, k, v)
+        if cache is None:  # causal over the tokens given; ``mask`` is the forward pass's, built once
+            out = attention(q, k, v, mask, causal=mask is None)
+        else:
+            out = cache.attend(layer, q, k, v)
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -155,8 +179,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer: int, cache: Cache | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache)
+    def forward(self, x, cos, sin, layer: int, cache: Cache | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -197,8 +222,12 @@ class Transformer(nn.Module):
                          else torch.arange(t, device=input_ids.device).expand(b, t))
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        mask = None  # without a cache: one causal mask for every layer (a cache builds its own per step)
+        if cache is None and t > 1:
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            mask = attention_mask(causal, self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, cache)
+            x = layer(x, cos, sin, i, cache, mask)
         if cache is not None:
             cache.advance(t)
         if last_only:
@@ -208,26 +237,45 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
     @classmethod
-    def from_state_dict(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> "Transformer":
-        """Build from Hugging Face-named tensors, fusing q/k/v and gate/up as we go."""
-        model = cls(cfg)
+    def from_state_dict(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], *,
+                        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                        consume: bool = False) -> "Transformer":
+        """Build from Hugging Face-named tensors, fusing q/k/v and gate/up as we go.
+
+        The model is built on the ``meta`` device (shapes, no memory, no random
+        init) and the tensors are put in place with ``load_state_dict(assign=True)``,
+        each cast to ``dtype``/``device`` (default: as given) when its turn comes.
+        With ``consume`` each tensor is popped from ``weights`` as it is used, so a
+        caller that drops its own references holds about one copy of the model at
+        any time (a 1B model in float32 is 4.4 GB; Colab has 12.7 GB of RAM).
+        A tensor already in the right dtype and device becomes the parameter itself,
+        not a copy (q/k/v and gate/up are concatenated, so those are new tensors).
+        """
+        with torch.device("meta"):
+            model = cls(cfg)
+        cast = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+
+        def take(name: str) -> torch.Tensor:
+            return (weights.pop(name) if consume else weights[name]).to(**cast)
+
         fused = {}
-        for name, tensor in weights.items():
-            if ".q_proj." in name or ".k_proj." in name or ".v_proj." in name:
-                continue  # fused below
-            if ".gate_proj." in name or ".up_proj." in name:
-                continue
-            fused[name.removeprefix("model.")] = tensor
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-                fused[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat(
-                    [weights[p + f"self_attn.{n}_proj.{kind}"] for n in "qkv"])
-            fused[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
-        if cfg.tie_word_embeddings:
-            fused.pop("lm_head.weight", None)
-        missing, unexpected = model.load_state_dict(fused, strict=False)
+                names = [p + f"self_attn.{n}_proj.{kind}" for n in "qkv"]
+                if all(n in weights for n in names):
+                    fused[f"layers.{i}.self_attn.qkv_proj.{kind}"] = torch.cat([take(n) for n in names])
+            names = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            if all(n in weights for n in names):
+                fused[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([take(n) for n in names])
+        for name in list(weights):
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # the embedding serves as the LM head
+            if not any(f".{n}_proj." in name for n in ("q", "k", "v", "gate", "up")):
+                fused[name.removeprefix("model.")] = take(name)
+        missing, unexpected = model.load_state_dict(fused, strict=False, assign=True)
+        if cfg.tie_word_embeddings:  # assign replaced the embedding's Parameter: tie the new one
+            model.lm_head.weight = model.embed_tokens.weight
         missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -3,24 +3,25 @@
 Each function takes plain data (runs, lengths, snapshots), draws on the ``ax``
 it is given or on a new figure, and returns the ``Figure``. Nothing here keeps
 state or calls ``plt.show()``: the caller decides where the picture goes.
+The block-map player (``player.BlockMapPlayer``, HTML, no kernel) and the
+live explorer (``explorer.EngineExplorer``, ipywidgets) build on these.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.axes import Axes
-from matplotlib.colors import ListedColormap
+from matplotlib.colors import ListedColormap, to_rgb
 from matplotlib.figure import Figure
-from matplotlib.animation import FuncAnimation
 from matplotlib.patches import Patch, Rectangle
 
 from .baselines import StaticBatchRun
-from .engine import Engine, StepRecord
-from .sampling import SamplingParams
+from .engine import StepRecord
 
 # One colour per request state, shared by every timeline in the book.
 STATE_COLORS = {
@@ -160,74 +161,124 @@ def _figure_and_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Fig
 
 # --- Part II: the engine's block map and timeline -----------------------------------------
 
+FREE_COLOR = "#eeeeee"
+
+
 def request_color(request_id: str) -> tuple[float, ...]:
-    """A stable colour per request, the same in every picture of one run."""
+    """A stable colour per request, the same in every picture of one run (and in the player)."""
     key = int(request_id) if request_id.isdigit() else sum(map(ord, request_id))
     palette = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]  # no grey: grey means free
     return palette[key % len(palette)]
 
 
+def ink_for(color: str | tuple[float, ...]) -> str:
+    """White or near-black, whichever contrasts more with ``color`` (WCAG luminance): labels stay legible."""
+    def linear(c: float) -> float:
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    lum = sum(w * linear(c) for w, c in zip((0.2126, 0.7152, 0.0722), to_rgb(color)))
+    dark = 0.0137  # luminance of #222222
+    return "#ffffff" if (1.05 / (lum + 0.05)) >= ((lum + 0.05) / (dark + 0.05)) else "#222222"
+
+
+def sort_ids(ids: Iterable[str]) -> list[str]:
+    """Request ids in arrival order ("2" before "10")."""
+    return sorted(ids, key=_order)
+
+
+def busiest_frame(history: Sequence[StepRecord]) -> int:
+    """The index of a step worth showing first: the most blocks in use, nearest the middle of the run."""
+    if not history:
+        raise ValueError("no steps recorded: create the engine with EngineConfig(record=True)")
+    used = [len({b for t in r.block_tables.values() for b in t}) for r in history]
+    middle = (len(history) - 1) / 2
+    return max(range(len(history)), key=lambda i: (used[i], -abs(i - middle)))
+
+
 def plot_block_map(record: StepRecord, ax: Axes | None = None, *, columns: int | None = None,
-                   title: str | None = None) -> Figure:
+                   title: str | None = None, tables_ax: Axes | None = None) -> Figure:
     """The block pool as a grid: each block coloured by the request that owns it.
 
     A block is filled to the share of its slots that hold tokens, so the
     partly empty last block of each request shows; free blocks are grey.
-    The block tables are listed beside the grid.
+    Block ids are written in white or black, whichever reads on the colour
+    behind them; a legend names the colours and the block tables are listed,
+    in full, on ``tables_ax`` (a new figure gets one beside the grid; on a
+    caller's ``ax`` without one, they are written to the right of the grid).
     """
     n, size = record.num_blocks, record.block_size
     columns = columns or min(n, 16)
     rows = -(-n // columns)
-    fig, ax = _figure_and_axes(ax, figsize=(9, 0.6 + 0.45 * rows))
+    running = sort_ids(record.block_tables)
+    if ax is None:
+        lines = sum(1 + len(str(t)) // 40 for t in record.block_tables.values())
+        fig, (ax, tables_ax) = plt.subplots(1, 2, figsize=(10, 1.3 + max(0.5 * rows, 0.16 * lines)),
+                                            layout="constrained", width_ratios=[2.4, 1])
+    fig = ax.figure
     owner, fill = {}, {}
-    for rid, table in record.block_tables.items():
+    for rid in running:
         cached = record.num_cached.get(rid, 0)
-        for i, block in enumerate(table):
-            owner[block] = rid
-            fill[block] = min(size, max(0, cached - i * size)) / size
+        for i, block in enumerate(record.block_tables[rid]):
+            owner.setdefault(block, rid)
+            fill.setdefault(block, min(size, max(0, cached - i * size)) / size)
     for block in range(n):
         r, c = divmod(block, columns)
-        ax.add_patch(Rectangle((c, r), 0.94, 0.94, facecolor="#eeeeee", edgecolor="#bbbbbb", linewidth=0.5))
+        ax.add_patch(Rectangle((c, r), 0.94, 0.94, facecolor=FREE_COLOR, edgecolor="#bbbbbb", linewidth=0.5))
+        ink = "#222222"
         if block in owner:
             color = request_color(owner[block])
             ax.add_patch(Rectangle((c, r), 0.94, 0.94, facecolor="none", edgecolor=color, linewidth=1.5))
             ax.add_patch(Rectangle((c, r + 0.94 * (1 - fill[block])), 0.94, 0.94 * fill[block],
                                    facecolor=color, edgecolor="none"))
-        ax.text(c + 0.47, r + 0.47, str(block), ha="center", va="center", fontsize=6, color="#555555")
+            ink = ink_for(color) if fill[block] >= 0.5 else ink  # the id sits mid-block
+        ax.text(c + 0.47, r + 0.47, str(block), ha="center", va="center", color=ink,
+                fontsize=9 if columns <= 16 else 8, fontweight="bold")
     ax.set_xlim(-0.1, columns)
     ax.set_ylim(rows, -0.1)
     ax.set_aspect("equal")
+    ax.set_anchor("W")  # the grid to the left, the block tables in the room on its right
     ax.axis("off")
-    used = len(owner)
-    ax.set_title(title or f"step {record.step}: {used}/{n} blocks in use, {size} slots each", fontsize=10)
-    lines = [f"req {rid}: {table}  ({record.num_cached.get(rid, 0)} tok)"
-             for rid, table in sorted(record.block_tables.items(), key=lambda kv: _order(kv[0]))]
-    ax.text(columns + 0.4, 0, "block tables\n" + ("\n".join(lines) or "(none running)"),
-            va="top", ha="left", fontsize=7, family="monospace")
+    ax.set_title(title or f"step {record.step}: {len(owner)}/{n} blocks in use, {size} slots each", fontsize=10)
+    handles = [Patch(facecolor=request_color(rid), label=f"req {rid}") for rid in running]
+    handles.append(Patch(facecolor=FREE_COLOR, edgecolor="#bbbbbb", label="free"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncol=min(len(handles), 8),
+              fontsize=8, frameon=False, handlelength=1.2, columnspacing=1.0)
+    lines = [textwrap.fill(f"req {rid} ({record.num_cached.get(rid, 0)} tok): {record.block_tables[rid]}",
+                           width=44, subsequent_indent="    ") for rid in running]
+    text = "block tables\n" + ("\n".join(lines) or "(none running)")
+    if tables_ax is None:
+        ax.text(columns + 0.4, 0, text, va="top", ha="left", fontsize=8, family="monospace")
+    else:
+        tables_ax.axis("off")
+        tables_ax.text(0, 1, text, va="top", ha="left", fontsize=8, family="monospace",
+                       transform=tables_ax.transAxes)
     return fig
+
+
+def request_state(record: StepRecord, request_id: str) -> str | None:
+    """What a request was doing in a step, as a timeline colour key (None: not drawn, e.g. finished).
+
+    Prefill or decode in the steps it computes, preempted while it waits to be
+    recomputed, waiting while queued.
+    """
+    if request_id in record.scheduled:
+        return "prefill" if request_id in record.prefill else "decode"
+    status = record.states.get(request_id)
+    if request_id in record.preempted or status == "preempted":
+        return "preempted"
+    return "waiting" if status == "waiting" else None
 
 
 def engine_timeline_segments(history: Sequence[StepRecord]) -> tuple[list[Segment], list[str]]:
     """Per-request state segments over engine steps, and the request ids by row.
 
-    A request is drawn from the step it is first seen: waiting while queued,
-    prefill or decode in the steps it computes, preempted while it waits to be
-    recomputed, nothing once finished.
+    A request is drawn from the step it is first seen (see ``request_state``),
+    and not at all once finished.
     """
-    ids = sorted({rid for r in history for rid in r.states}, key=_order)
-    row = {rid: i for i, rid in enumerate(ids)}
-    segments = []
-    for record in history:
-        for rid, status in record.states.items():
-            if rid in record.scheduled:
-                state = "prefill" if rid in record.prefill else "decode"
-            elif rid in record.preempted or status == "preempted":
-                state = "preempted"
-            elif status == "waiting":
-                state = "waiting"
-            else:
-                continue
-            segments.append(Segment(row[rid], state, float(record.step), 1.0))
+    ids = sort_ids({rid for r in history for rid in r.states})
+    segments = [Segment(row, state, float(record.step), 1.0)
+                for record in history for row, rid in enumerate(ids)
+                if rid in record.states and (state := request_state(record, rid)) is not None]
     return segments, ids
 
 
@@ -252,99 +303,34 @@ def plot_engine_timeline(history: Sequence[StepRecord], *, title: str | None = N
     return fig
 
 
+def plot_engine_step(history: Sequence[StepRecord], index: int, *, title: str | None = None) -> Figure:
+    """One step of a run: the block map on top, the whole run's timeline below with the step marked.
+
+    The still that stands for the live explorer where no kernel runs.
+    """
+    if not history:
+        raise ValueError("no steps recorded: create the engine with EngineConfig(record=True)")
+    record = history[index]
+    segments, ids = engine_timeline_segments(history)
+    rows = -(-record.num_blocks // min(record.num_blocks, 16))
+    fig = plt.figure(figsize=(10, 2.2 + 0.5 * rows + 0.25 * len(ids)), layout="constrained")
+    grid = fig.add_gridspec(2, 2, width_ratios=[2.4, 1], height_ratios=[1.3 + 0.5 * rows, 0.6 + 0.25 * len(ids)])
+    top, tables, bottom = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])
+    plot_block_map(record, ax=top, title=title, tables_ax=tables)
+    _draw_segments(bottom, segments, [f"req {rid}" for rid in ids])
+    bottom.axvspan(record.step, record.step + 1, facecolor="none", edgecolor="black", linewidth=1.5)
+    bottom.set_xlabel(f"engine step (the box marks step {record.step})")
+    return fig
+
+
 def _order(request_id: str) -> tuple[int, str]:
     return (int(request_id), "") if request_id.isdigit() else (1 << 30, request_id)
 
 
-def animate_block_map(history: Sequence[StepRecord], *, interval: int = 500) -> FuncAnimation:
-    """The block map at every recorded step, as an animation.
+def __getattr__(name: str):
+    """``viz.EngineExplorer`` still works: it lives in ``explorer`` (which imports this module)."""
+    if name == "EngineExplorer":
+        from .explorer import EngineExplorer
 
-    ``IPython.display.HTML(anim.to_jshtml())`` turns it into a player that
-    works in a static web page, with no kernel behind it.
-    """
-    if not history:
-        raise ValueError("no steps recorded: create the engine with EngineConfig(record=True)")
-    fig, ax = plt.subplots(figsize=(9, 0.6 + 0.45 * -(-history[0].num_blocks // min(history[0].num_blocks, 16))))
-    anim = FuncAnimation(fig, lambda i: (ax.clear(), plot_block_map(history[i], ax=ax)),
-                         frames=len(history), interval=interval)
-    plt.close(fig)  # the animation keeps the figure; don't also show it as a still
-    return anim
-
-
-class EngineExplorer:
-    """Drive an engine by hand in a notebook: step, play, add a request, abort one.
-
-    The slider walks through recorded steps (the block map and the timeline so
-    far); stepping past the last one runs the engine. Works with ipywidgets 7.7
-    (Colab) and 8.x.
-    """
-
-    def __init__(self, engine: Engine, params: SamplingParams | None = None) -> None:
-        import ipywidgets as w
-
-        if not engine.config.record:
-            raise ValueError("the explorer needs EngineConfig(record=True)")
-        self.engine, self.params = engine, params
-        self.slider = w.IntSlider(0, 0, max(0, len(engine.history) - 1), description="step")
-        self.play = w.Play(interval=600, min=0, max=self.slider.max)
-        w.jslink((self.play, "value"), (self.slider, "value"))
-        self.step_button = w.Button(description="run one step")
-        self.prompt = w.Text(placeholder="a new prompt", layout=w.Layout(width="320px"))
-        self.add_button = w.Button(description="add request")
-        self.victim = w.Dropdown(options=[], description="abort")
-        self.abort_button = w.Button(description="abort it")
-        self.out = w.Output()
-        self.message = w.HTML()
-        self.step_button.on_click(lambda _: self.run_step())
-        self.add_button.on_click(lambda _: self.add(self.prompt.value))
-        self.abort_button.on_click(lambda _: self.abort(self.victim.value))
-        self.slider.observe(lambda change: self.draw(change["new"]), names="value")
-        self.widget = w.VBox([w.HBox([self.play, self.slider, self.step_button]),
-                              w.HBox([self.prompt, self.add_button, self.victim, self.abort_button]),
-                              self.message, self.out])
-        self._refresh()
-
-    def run_step(self) -> None:
-        self.engine.step()
-        self._refresh(last=True)
-
-    def add(self, prompt: str) -> None:
-        try:
-            rid = self.engine.add_request(prompt, self.params)
-            self.message.value = f"added request {rid}"
-        except ValueError as err:
-            self.message.value = f"<b>refused:</b> {err}"
-        self._refresh()
-
-    def abort(self, request_id: str | None) -> None:
-        if request_id:
-            self.engine.abort(request_id)
-            self.message.value = f"aborted request {request_id}"
-        self._refresh()
-
-    def draw(self, step: int) -> None:
-        from IPython.display import display
-
-        history = self.engine.history
-        with self.out:
-            self.out.clear_output(wait=True)
-            if not history:
-                print("no steps yet: press 'run one step'")
-                return
-            for fig in (plot_block_map(history[step]), plot_engine_timeline(history[:step + 1])):
-                display(fig)
-                plt.close(fig)
-
-    def _refresh(self, last: bool = False) -> None:
-        live = [r.request_id for r in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)]
-        self.victim.options = live
-        top = max(0, len(self.engine.history) - 1)
-        self.slider.max = self.play.max = top
-        if last or self.slider.value > top:
-            self.slider.value = top
-        self.draw(self.slider.value)
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
+        return EngineExplorer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

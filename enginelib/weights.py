@@ -130,8 +130,13 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Config, dequantized float32 tensors (Hugging Face names) and tokenizer from one GGUF file."""
+def read_gguf(path: Path, progress: bool = True, *, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Config, dequantized tensors (Hugging Face names) and tokenizer from one GGUF file.
+
+    Each tensor is dequantized to float32, then cast to ``dtype`` and moved to
+    ``device`` before the next one is read, so only one float32 tensor is ever extra.
+    """
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -164,7 +169,7 @@ def read_gguf(path: Path, progress: bool = True) -> tuple[ModelConfig, dict[str,
             array = _unpermute(array, heads)
         elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             array = _unpermute(array, kv_heads)
-        weights[_hf_name(t.name)] = torch.from_numpy(np.array(array, dtype=np.float32))
+        weights[_hf_name(t.name)] = torch.from_numpy(np.array(array, dtype=np.float32)).to(device=device, dtype=dtype)
     return cfg, weights, Tokenizer.from_gguf_metadata(meta)
 
 
@@ -189,33 +194,46 @@ def config_from_hf(config: dict) -> ModelConfig:
         qkv_bias=kind == "qwen2" or bool(config.get("attention_bias", False)))
 
 
-def read_safetensors(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Config, float32 tensors and tokenizer from a Hugging Face checkpoint directory."""
-    from safetensors.torch import load_file
+def read_safetensors(path: Path, *, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Config, tensors and tokenizer from a Hugging Face checkpoint directory.
+
+    Tensors are read one at a time from the memory-mapped files and cast to
+    ``dtype`` on ``device`` as they come, never a whole file's worth at once.
+    """
+    from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not (path / "config.json").exists() or not files:
         raise FileNotFoundError(f"{path} needs config.json and at least one *.safetensors file")
     cfg = config_from_hf(json.loads((path / "config.json").read_text()))
-    weights = {name: t.float() for f in files for name, t in load_file(f).items()}
+    weights = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     return cfg, weights, Tokenizer.from_directory(path)
 
 
-def read_checkpoint(path: Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Dispatch on what ``path`` is: a GGUF file, or a safetensors checkpoint (file or directory)."""
+def read_checkpoint(path: Path, progress: bool = True, *, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Dispatch on what ``path`` is: a GGUF file, or a safetensors checkpoint (file or directory).
+
+    Tensors come back in ``dtype`` on ``device``, each cast as it is read.
+    """
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if (path / "config.json").exists():
-            return read_safetensors(path)
+            return read_safetensors(path, dtype=dtype, device=device)
         if len(ggufs) == 1:
-            return read_gguf(ggufs[0], progress)
+            return read_gguf(ggufs[0], progress, dtype=dtype, device=device)
         raise ValueError(f"{path} holds neither config.json + *.safetensors nor exactly one .gguf file")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        return read_gguf(path, progress)
+        return read_gguf(path, progress, dtype=dtype, device=device)
     if path.suffix == ".safetensors":
-        return read_safetensors(path.parent)
+        return read_safetensors(path.parent, dtype=dtype, device=device)
     raise ValueError(f"{path} is neither a GGUF file (it does not start with b'GGUF') nor a .safetensors file")
 
 
@@ -224,13 +242,20 @@ def load_model(model: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.
                pack: bool | None = None) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer, ready for inference on ``device`` (CUDA if present).
 
+    ``dtype`` defaults to :func:`device.default_dtype` (float32 unless ``$ENGINELIB_DTYPE``
+    says otherwise). Each tensor is cast and moved as it is read, and the model is
+    assembled on the ``meta`` device around them, so the host holds about one copy
+    of the weights in ``dtype`` at the peak (plus one tensor in float32), never a
+    random init plus a float32 copy plus a cast one.
     ``pack`` swaps the linear layers for oneDNN-packed ones (:func:`device.pack_linears`);
     by default it does so where that pays: float32 on a CPU.
     """
-    cfg, weights, tokenizer = read_checkpoint(resolve(model), progress)
-    net = Transformer.from_state_dict(cfg, weights)
     dev = pick_device(device)
-    net = net.to(device=dev, dtype=dtype or default_dtype(dev)).eval().requires_grad_(False)
+    dtype = dtype or default_dtype(dev)
+    cfg, weights, tokenizer = read_checkpoint(resolve(model), progress, dtype=dtype, device=dev)
+    net = Transformer.from_state_dict(cfg, weights, device=dev, dtype=dtype, consume=True)
+    del weights
+    net = net.eval().requires_grad_(False)
     if pack or (pack is None and can_pack(net)):
         if not can_pack(net):
             raise ValueError("pack=True needs float32 weights on a CPU and a torch build with oneDNN")

@@ -1,10 +1,18 @@
-"""Shared fixtures: the real model is loaded once per test session."""
+"""Shared fixtures: the real model is loaded once per test session.
+
+``ENGINELIB_DTYPE=float16`` (or bfloat16) runs the engine tests in that dtype:
+``real`` follows it, ``real_f32`` and ``tiny`` stay float32 for the tests that are
+float32 by nature (the transformers oracle, tolerances of 1e-5). Greedy tokens
+compared across batch shapes go through ``agree`` (:func:`enginelib.checks.check_greedy`),
+which also tallies identical vs near-tie requests for the session's summary.
+"""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import enginelib
+from enginelib.checks import Agreement, check_greedy
 from enginelib.model import ModelConfig, Transformer
 
 enginelib.set_threads()
@@ -12,8 +20,39 @@ enginelib.set_threads()
 
 @pytest.fixture(scope="session")
 def real():
-    """SmolLM2-135M-Instruct on the CPU in float32: (model, tokenizer)."""
+    """SmolLM2-135M-Instruct on the CPU in the default dtype (float32 unless $ENGINELIB_DTYPE): (model, tokenizer)."""
+    return enginelib.load_model(device="cpu", progress=False)
+
+
+@pytest.fixture(scope="session")
+def real_f32(real):
+    """The same model in float32 (the very same object when that is the default)."""
+    if real[0].dtype == torch.float32:
+        return real
     return enginelib.load_model(device="cpu", dtype=torch.float32, progress=False)
+
+
+_TALLY: list[Agreement] = []  # every check_greedy verdict of the session, for the terminal summary
+
+
+@pytest.fixture
+def agree(real_f32):
+    """``agree(model, prompts, got, expected)``: check_greedy against the float32 model, tallied."""
+    def check(model, prompts, got, expected) -> Agreement:
+        reference = real_f32[0] if model.cfg == real_f32[0].cfg else None
+        verdict = check_greedy(model, prompts, got, expected, reference=reference)
+        _TALLY.append(verdict)
+        return verdict
+    return check
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _TALLY:
+        identical = sum(a.identical for a in _TALLY)
+        ties = [d for a in _TALLY for d in a.near_ties]
+        terminalreporter.write_line(
+            f"greedy comparisons (check_greedy): {identical} requests identical, {len(ties)} near-tie "
+            f"divergences {[round(d.margin, 4) for d in ties]}")
 
 
 @pytest.fixture

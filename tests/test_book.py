@@ -1,7 +1,9 @@
 """The book's own rules: every chapter is in the table of contents, follows the one
-repository URL, hides its setup cell, and carries real (executed, error-free) outputs."""
+repository URL, starts with the shared setup cell, hides its exercise solutions (in the
+built book and in Colab), and carries real (executed, error-free) outputs."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 
@@ -27,21 +29,60 @@ def toc_files() -> list[str]:
 
 def test_the_table_of_contents_lists_every_chapter_and_only_existing_files():
     listed = toc_files()
-    assert sorted(f"book/{p.stem}" for p in CHAPTERS) == sorted(f for f in listed if f != "book/intro")
+    pages = [f for f in listed if (ROOT / f"{f}.md").exists()]  # the intro, the bibliography
+    assert sorted(f"book/{p.stem}" for p in CHAPTERS) == sorted(f for f in listed if f not in pages)
     for name in listed:
         assert any((ROOT / f"{name}{ext}").exists() for ext in (".ipynb", ".md")), name
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_chapter_follows_the_repository_url_in_config(path):
-    sync = load_ci_module("sync_repo_url")
+    sync = load_ci_module("sync_notebooks")
     url, _ = sync.repository()
     nb = nbformat.read(path, as_version=4)
     text = "\n".join(cell.source for cell in nb.cells)
     assert f"enginelib @ git+{url}" in text
     assert sync.colab_url(path) in text
     assert all(sync.synced(cell.source, path) == cell.source for cell in nb.cells), \
-        "run python .ci/sync_repo_url.py"
+        "run python .ci/sync_notebooks.py"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_is_in_sync_setup_cell_and_solution_forms_included(path):
+    sync = load_ci_module("sync_notebooks")
+    nb = nbformat.read(path, as_version=4)
+    assert nb.cells[0].source == sync.setup_source(), "run python .ci/sync_notebooks.py"
+    assert not sync.sync(copy.deepcopy(nb), path), "run python .ci/sync_notebooks.py"
+
+
+def test_every_solution_is_hidden_in_the_book_and_in_colab():
+    sync = load_ci_module("sync_notebooks")
+    solutions = 0
+    for path in CHAPTERS:
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type == "code" and "# Solution" in cell.source:
+                where = f"{path.name} cell {i}"
+                assert sync.is_solution(cell), f"{where}: a solution is tagged hide-input and starts with # Solution"
+                assert cell.source.splitlines()[0] == sync.SOLUTION_TITLE, f"{where}: run .ci/sync_notebooks.py"
+                assert cell.metadata.get("cellView") == "form", f"{where}: not a Colab form cell"
+                solutions += 1
+    assert solutions > 0
+
+
+def test_syncing_is_idempotent_and_makes_solutions_forms():
+    sync = load_ci_module("sync_notebooks")
+    path = ROOT / "book" / "05_paged_kv_cache.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[0].source = "import sys\nif \"google.colab\" in sys.modules: pass"
+    nb.cells.append(nbformat.v4.new_code_cell("# Solution (try it yourself first)\nx = 1", metadata={"tags": ["hide-input"]}))
+    assert sync.sync(nb, path)
+    once = nbformat.writes(nb)
+    assert not sync.sync(nb, path) and nbformat.writes(nb) == once
+    cell = nb.cells[-1]
+    assert cell.source.splitlines() == [sync.SOLUTION_TITLE, "# Solution (try it yourself first)", "x = 1"]
+    assert cell.metadata["cellView"] == "form" and cell.metadata["tags"] == ["hide-input"]
+    assert nb.cells[0].source == sync.setup_source()
+    exec(compile(cell.source, "solution", "exec"), {})  # still plain Python
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)

@@ -1,5 +1,6 @@
 """The engine on the real model: whatever batching, paging or preemption did, every request's
-greedy output equals the single-request reference from Part I, token for token."""
+greedy output equals the single-request reference from Part I, token for token in float32
+(in float16, identical or diverging only at a near-tie: ``agree`` is check_greedy)."""
 from __future__ import annotations
 
 import pytest
@@ -27,16 +28,21 @@ def reference(real):
     return [generate_cached(model, chat_ids(tok, q), GREEDY, tok.eos_token_id).token_ids for q in QUESTIONS]
 
 
-def test_llm_generate_equals_the_single_request_reference(real, reference):
+@pytest.fixture(scope="module")
+def prompts(real):
+    return [chat_ids(real[1], q) for q in QUESTIONS]
+
+
+def test_llm_generate_equals_the_single_request_reference(real, reference, prompts, agree):
     model, tok = real
     outs = LLM.from_model(model, tok).generate([chat_ids(tok, q) for q in QUESTIONS], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == reference
+    print(agree(model, prompts, [o.outputs[0].token_ids for o in outs], reference))
     assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)  # input order
     assert all(o.finished and o.outputs[0].finish_reason in ("stop", "length") for o in outs)
     assert "Paris" in outs[0].outputs[0].text and "<|im_end|>" not in outs[0].outputs[0].text
 
 
-def test_requests_arriving_mid_decode_get_the_reference_output(real, reference):
+def test_requests_arriving_mid_decode_get_the_reference_output(real, reference, prompts, agree):
     model, tok = real
     engine = Engine(model, tok, EngineConfig(record=True))
     ids = {engine.add_request(chat_ids(tok, q), GREEDY): i for i, q in enumerate(QUESTIONS[:3])}
@@ -48,17 +54,17 @@ def test_requests_arriving_mid_decode_get_the_reference_output(real, reference):
             if out.finished:
                 done[ids[out.request_id]] = out.outputs[0].token_ids
         step += 1
-    assert [done[i] for i in range(len(QUESTIONS))] == reference
+    agree(model, prompts, [done[i] for i in range(len(QUESTIONS))], reference)
     mixed = [r for r in engine.history if r.prefill and len(r.scheduled) > len(r.prefill)]
     assert mixed, "a step should have mixed prefills with decodes"
     assert engine.pool.num_used == 0
 
 
-def test_a_pool_too_small_for_everyone_preempts_and_still_matches(real, reference):
+def test_a_pool_too_small_for_everyone_preempts_and_still_matches(real, reference, prompts, agree):
     model, tok = real
     llm = LLM.from_model(model, tok, num_blocks=14, block_size=8, max_num_seqs=8)
     outs = llm.generate([chat_ids(tok, q) for q in QUESTIONS], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == reference
+    agree(model, prompts, [o.outputs[0].token_ids for o in outs], reference)
     stats = llm.engine.stats()
     assert stats.preemptions > 0, "the pool was meant to force preemption"
     assert sum(o.metrics.num_preemptions for o in outs) == stats.preemptions
@@ -92,7 +98,7 @@ def test_streaming_deltas_add_up_to_the_final_text(real):
         assert pieces[rid] == tok.decode(req.output_token_ids, skip_special_tokens=True)
 
 
-def test_abort_mid_flight_frees_blocks_and_spares_the_others(real, reference):
+def test_abort_mid_flight_frees_blocks_and_spares_the_others(real, reference, prompts, agree):
     model, tok = real
     engine = Engine(model, tok)
     keep = engine.add_request(chat_ids(tok, QUESTIONS[2]), GREEDY)
@@ -104,7 +110,7 @@ def test_abort_mid_flight_frees_blocks_and_spares_the_others(real, reference):
     assert len(out.outputs[0].token_ids) == 3
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.request(keep).output_token_ids == reference[2]
+    agree(model, prompts[2:3], [engine.request(keep).output_token_ids], reference[2:3])
     assert engine.pool.num_used == 0
     with pytest.raises(ValueError, match="no unfinished request"):
         engine.abort(drop)
@@ -112,7 +118,7 @@ def test_abort_mid_flight_frees_blocks_and_spares_the_others(real, reference):
         engine.abort("never-existed")
 
 
-def test_bad_requests_are_refused_and_the_engine_keeps_serving(real, reference):
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(real, reference, prompts, agree):
     model, tok = real
     engine = Engine(model, tok, EngineConfig(num_blocks=20, block_size=16))
     good = engine.add_request(chat_ids(tok, QUESTIONS[0]), GREEDY)
@@ -129,7 +135,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(real, reference):
             engine.add_request([5, 6], SamplingParams(**bad))
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.request(good).output_token_ids == reference[0]
+    agree(model, prompts[:1], [engine.request(good).output_token_ids], reference[:1])
     assert engine.pool.num_used == 0
 
 
@@ -157,3 +163,16 @@ def test_seeded_sampling_in_the_engine_is_reproducible(real):
     again = llm.generate(["Once upon a time"], params)
     assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
     assert len(first[1].outputs[0].token_ids) == 12
+
+
+def test_free_gpu_memory_counts_what_pytorch_caches_but_no_tensor_holds(monkeypatch):
+    """A KV pool sized from mem_get_info alone would shrink with every Engine made in one process."""
+    import torch
+
+    from enginelib.device import free_gpu_memory
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gib, 15 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * gib)  # cached by PyTorch...
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * gib)  # ...of which 4 GiB unused
+    assert free_gpu_memory("cuda") == 7 * gib

@@ -8,7 +8,7 @@ import torch
 
 from enginelib.device import PackedLinear, can_pack, pack_linears
 from enginelib.kv_cache import ContiguousKVCache
-from enginelib.model import ModelConfig, Transformer, apply_rope, attention, rope_cos_sin
+from enginelib.model import ModelConfig, Transformer, apply_rope, attention, attention_mask, rope_cos_sin
 
 from .conftest import hf_weights
 
@@ -121,3 +121,35 @@ def test_a_full_cache_says_so(tiny):
     cache = ContiguousKVCache(tiny.cfg, 1, 4)
     with pytest.raises(ValueError, match="KV cache is full"):
         tiny(torch.zeros(1, 5, dtype=torch.long), cache)
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_the_additive_mask_built_once_gives_exactly_what_the_boolean_one_does(t):
+    """One mask per step (additive, model dtype, rows folded per KV group, width padded to 8) changes nothing."""
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, t, 6, 8), torch.randn(2, 13, 2, 8), torch.randn(2, 13, 2, 8)
+    allowed = torch.rand(2, 1, t, 13) > 0.3
+    allowed[..., -1] = True
+    mask = attention_mask(allowed, 3, torch.float32)
+    assert mask.dtype == torch.float32 and mask.shape == (2, 1, 3 * t if t > 1 else 1, 13)
+    assert mask.stride(-2) % 8 == 0, "rows start at multiples of 8 elements (aligned for GPU kernels)"
+    assert set(mask.unique().tolist()) == {0.0, float("-inf")}
+    assert torch.equal(attention(q, k, v, mask), attention(q, k, v, allowed))
+    half = attention_mask(allowed, 3, torch.float16)
+    assert half.dtype == torch.float16
+    out = attention(q.half(), k.half(), v.half(), half)
+    torch.testing.assert_close(out.float(), attention(q, k, v, allowed), atol=5e-3, rtol=5e-3)
+
+
+def test_the_forward_pass_without_a_cache_builds_its_causal_mask_once(tiny, monkeypatch):
+    import enginelib.model as model_module
+
+    calls = []
+    original = model_module.attention_mask
+    monkeypatch.setattr(model_module, "attention_mask", lambda *a: calls.append(a) or original(*a))
+    ids = torch.randint(0, tiny.cfg.vocab_size, (2, 7))
+    logits = tiny(ids)
+    assert len(calls) == 1 and tiny.cfg.num_layers > 1
+    monkeypatch.undo()
+    for i in range(1, 8):  # causal: a prefix alone gives the same logits
+        torch.testing.assert_close(tiny(ids[:, :i])[:, -1], logits[:, i - 1], atol=1e-5, rtol=1e-5)

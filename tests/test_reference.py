@@ -37,15 +37,15 @@ def reference():
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_tokenizer_matches_transformers(real, reference, text):
-    _, tok = real
+def test_tokenizer_matches_transformers(real_f32, reference, text):
+    _, tok = real_f32
     _, ref_tok = reference
     assert tok.encode(text) == ref_tok.encode(text, add_special_tokens=False)
     assert tok.decode(tok.encode(text)) == text
 
 
-def test_chat_template_matches_transformers(real, reference):
-    _, tok = real
+def test_chat_template_matches_transformers(real_f32, reference):
+    _, tok = real_f32
     _, ref_tok = reference
     for messages in ([{"role": "user", "content": "hi"}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
@@ -55,8 +55,8 @@ def test_chat_template_matches_transformers(real, reference):
 
 
 @torch.inference_mode()
-def test_next_token_logits_match_transformers(real, reference):
-    model, tok = real
+def test_next_token_logits_match_transformers(real_f32, reference):
+    model, tok = real_f32
     ref, _ = reference
     for text in TEXTS:
         ids = torch.tensor([tok.encode(text)])
@@ -66,8 +66,8 @@ def test_next_token_logits_match_transformers(real, reference):
 @torch.inference_mode()
 @pytest.mark.parametrize("question", ["Write a haiku about the sea.", "Explain what a CPU cache is.",
                                       "Tell me a story about a dragon."])
-def test_greedy_continuation_matches_transformers_for_32_tokens(real, reference, question):
-    model, tok = real
+def test_greedy_continuation_matches_transformers_for_32_tokens(real_f32, reference, question):
+    model, tok = real_f32
     ref, _ = reference
     prompt = chat_ids(tok, question)
     expected = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):]
@@ -81,8 +81,8 @@ QUESTIONS = ["What is the capital of France?", "hi", "Write a haiku about the se
              "What is 12 times 7? Answer with the number only."]
 
 
-def test_naive_cached_and_static_batching_agree_token_for_token(real):
-    model, tok = real
+def test_naive_cached_and_static_batching_agree_token_for_token(real_f32):
+    model, tok = real_f32
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=24)
     naive = [generate_naive(model, p, params, tok.eos_token_id) for p in prompts]
@@ -95,8 +95,8 @@ def test_naive_cached_and_static_batching_agree_token_for_token(real):
     assert "Paris" in tok.decode(naive[0].token_ids)
 
 
-def test_seeded_sampling_is_reproducible_and_differs_across_seeds(real):
-    model, tok = real
+def test_seeded_sampling_is_reproducible_and_differs_across_seeds(real_f32):
+    model, tok = real_f32
     prompt = chat_ids(tok, "Tell me a story about a dragon.")
     runs = [generate_cached(model, prompt, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16,
                                                           seed=s, ignore_eos=True), tok.eos_token_id)
@@ -104,23 +104,23 @@ def test_seeded_sampling_is_reproducible_and_differs_across_seeds(real):
     assert runs[0].token_ids == runs[1].token_ids != runs[2].token_ids
 
 
-def test_a_prompt_longer_than_the_context_is_refused(real):
-    model, _ = real
+def test_a_prompt_longer_than_the_context_is_refused(real_f32):
+    model, _ = real_f32
     too_long = [100] * model.cfg.context_length
     with pytest.raises(ValueError, match="exceeds the model's context"):
         generate_cached(model, too_long, SamplingParams(max_tokens=1))
 
 
-def test_empty_prompts_and_out_of_vocabulary_ids_are_refused(real):
-    model, _ = real
+def test_empty_prompts_and_out_of_vocabulary_ids_are_refused(real_f32):
+    model, _ = real_f32
     with pytest.raises(ValueError, match="empty"):
         generate_naive(model, [], SamplingParams())
     with pytest.raises(ValueError, match="outside the vocabulary"):
         generate_naive(model, [1, model.cfg.vocab_size], SamplingParams())
 
 
-def test_stop_token_ids_end_a_request_early(real):
-    model, tok = real
+def test_stop_token_ids_end_a_request_early(real_f32):
+    model, tok = real_f32
     prompt = chat_ids(tok, "What is the capital of France?")
     full = generate_cached(model, prompt, SamplingParams(temperature=0, max_tokens=12), tok.eos_token_id)
     stop_at = full.token_ids[3]

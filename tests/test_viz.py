@@ -124,8 +124,8 @@ def test_padding_rejects_labels_that_do_not_fit():
 
 from enginelib.engine import Engine, EngineConfig, StepRecord  # noqa: E402
 from enginelib.sampling import SamplingParams  # noqa: E402
-from enginelib.viz import (EngineExplorer, animate_block_map, engine_timeline_segments,  # noqa: E402
-                           plot_block_map, plot_engine_timeline)
+from enginelib.viz import (EngineExplorer, busiest_frame, engine_timeline_segments, ink_for,  # noqa: E402
+                           plot_block_map, plot_engine_step, plot_engine_timeline, request_color)
 
 
 def record(step, scheduled, prefill, states, tables, cached, preempted=()) -> StepRecord:
@@ -157,7 +157,43 @@ def test_block_map_fills_each_block_to_its_tokens():
     fills = sorted(round(p.get_height() / 0.94, 2) for p in ax.patches if p.get_facecolor()[:3] != (0.0, 0.0, 0.0)
                    and p.get_edgecolor()[3] == 0)
     assert fills == [0.5, 0.75, 1.0]  # request 0: 6 tokens -> 4 + 2 of 4 slots; request 1: 3 of 4
-    assert "req 0: [2, 4]" in ax.texts[-1].get_text()
+    assert "req 0 (6 tok): [2, 4]" in fig.axes[1].texts[0].get_text()  # the tables, beside the grid
+    fig, (left, right) = plt.subplots(1, 2)
+    plot_block_map(HISTORY[1], ax=left)  # on a caller's axes: written right of the grid
+    assert "req 1 (3 tok): [0]" in left.texts[-1].get_text() and not right.has_data()
+
+
+def test_block_map_has_a_legend_and_legible_labels():
+    fig = plot_block_map(HISTORY[1])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["req 0", "req 1", "free"]
+    labels = {t.get_text(): t for t in ax.texts}
+    assert sorted(labels, key=int) == [str(b) for b in range(6)]
+    assert all(t.get_fontsize() >= 8 for t in ax.texts)
+    # block 2 is request 0's full block: its id is written in the ink that reads on that colour;
+    # block 4 is half full (the id sits on the colour), block 1 is free (dark on light grey)
+    assert labels["2"].get_color() == ink_for(request_color("0"))
+    assert labels["1"].get_color() == "#222222"
+    assert ink_for("#1f77b4") == "#ffffff" and ink_for("#eeeeee") == "#222222"
+
+
+def test_block_tables_are_listed_in_full_and_wrapped():
+    table = list(range(40))
+    record = StepRecord(0, 0.0, {"0": 1}, frozenset(), (), {"0": "running"}, {"0": table}, {"0": 160},
+                        num_blocks=48, block_size=4)
+    text = plot_block_map(record).axes[1].texts[0].get_text()
+    assert "".join(text.split()).count(",") == len(table) - 1  # every block id is there
+    assert max(len(line) for line in text.splitlines()) <= 44
+
+
+def test_the_still_of_a_step_marks_it_on_the_timeline():
+    index = busiest_frame(HISTORY)
+    assert index == 1  # steps 1 (3 blocks in use) is the busiest
+    fig = plot_engine_step(HISTORY, index)
+    top, tables, bottom = fig.axes
+    assert "req 1 (3 tok): [0]" in tables.texts[0].get_text()
+    assert top.get_title().startswith("step 1:")
+    assert "step 1" in bottom.get_xlabel()
 
 
 def test_engine_timeline_needs_a_recorded_history():
@@ -167,12 +203,15 @@ def test_engine_timeline_needs_a_recorded_history():
     assert len(fig.axes) == 2
 
 
-def test_animation_has_one_frame_per_step_and_the_explorer_drives_an_engine(tiny):
+def test_the_explorer_drives_an_engine_and_leaves_a_still(tiny):
+    import base64
+
     from tests.test_paged import tiny_tokenizer
 
     engine = Engine(tiny, tiny_tokenizer(tiny.cfg.vocab_size), EngineConfig(num_blocks=8, block_size=4, record=True))
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     explorer = EngineExplorer(engine, params)
+    assert "image/png" not in explorer._repr_mimebundle_()  # nothing to draw yet
     explorer.add("t1 t2 t3")
     explorer.add("t4 t5")
     explorer.run_step()
@@ -185,7 +224,18 @@ def test_animation_has_one_frame_per_step_and_the_explorer_drives_an_engine(tiny
     while engine.has_unfinished_requests():
         explorer.run_step()
     assert engine.pool.num_used == 0
-    anim = animate_block_map(engine.history)
-    assert len(list(anim.new_frame_seq())) == len(engine.history)
-    html = anim.to_jshtml()  # the kernel-free player the built book embeds
-    assert html.count("frames[") >= len(engine.history)
+    # Displayed again, it starts at the busiest step, and its output carries a still of that step.
+    again = EngineExplorer(engine, params)
+    assert again.slider.value == busiest_frame(engine.history) > 0
+    bundle = again._repr_mimebundle_()
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == again.widget.model_id
+    assert base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+    assert f"step {again.slider.value}" in bundle["text/plain"]
+
+
+def test_explorer_is_importable_from_its_module_and_from_viz():
+    from enginelib import explorer, viz
+
+    assert viz.EngineExplorer is explorer.EngineExplorer
+    with pytest.raises(AttributeError):
+        viz.animate_block_map  # replaced by enginelib.player.BlockMapPlayer

@@ -198,3 +198,47 @@ def test_rope_scaling_is_refused_rather_than_silently_ignored(tmp_path, original
 def test_unknown_model_name_lists_the_known_ones():
     with pytest.raises(ValueError, match="smollm2-135m"):
         enginelib.fetch("gpt-17")
+
+
+def test_the_default_dtype_is_float32_unless_the_environment_says_otherwise(tmp_path, original, monkeypatch):
+    from enginelib.device import default_dtype
+
+    monkeypatch.delenv("ENGINELIB_DTYPE", raising=False)
+    assert default_dtype(torch.device("cpu")) == default_dtype(torch.device("cuda")) == torch.float32
+    write_safetensors(tmp_path / "ckpt", original)
+    monkeypatch.setenv("ENGINELIB_DTYPE", "float16")
+    assert default_dtype() == torch.float16
+    model, _ = enginelib.load_model(tmp_path / "ckpt", device="cpu", progress=False)
+    assert model.dtype == torch.float16 and {p.dtype for p in model.parameters()} == {torch.float16}
+    monkeypatch.setenv("ENGINELIB_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="ENGINELIB_DTYPE='fp8'.*float32, float16, bfloat16"):
+        default_dtype()
+
+
+def test_loading_builds_on_meta_and_keeps_one_copy_of_each_tensor(original):
+    """from_state_dict assigns the given tensors (no random init, no second copy); casting happens per tensor."""
+    weights = hf_weights(original)
+    norm = weights["model.norm.weight"].data_ptr()
+    qkv = torch.cat([weights[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
+    model = Transformer.from_state_dict(original.cfg, weights, consume=True)
+    assert not weights, "consume pops every tensor it uses"
+    assert model.norm.weight.data_ptr() == norm, "the tensor itself, not a copy"
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.weight, qkv)
+    assert model.lm_head.weight is model.embed_tokens.weight, "tied embeddings stay tied"
+    assert not any(p.is_meta for p in model.parameters())
+    check_same_model(model, original)
+    half = Transformer.from_state_dict(original.cfg, hf_weights(original), dtype=torch.float16)
+    assert {p.dtype for p in half.parameters()} == {torch.float16}
+    assert half.lm_head.weight is half.embed_tokens.weight
+    ids = torch.randint(0, original.cfg.vocab_size, (1, 5))
+    torch.testing.assert_close(half(ids).float(), original(ids), atol=0.1, rtol=0.02)
+
+
+def test_a_safetensors_checkpoint_loads_straight_into_float16(tmp_path, original):
+    write_safetensors(tmp_path / "ckpt", original)
+    _, weights, _ = read_checkpoint(tmp_path / "ckpt", dtype=torch.float16)
+    assert {t.dtype for t in weights.values()} == {torch.float16}
+    model, _ = enginelib.load_model(tmp_path / "ckpt", device="cpu", dtype=torch.float16, progress=False)
+    reference = Transformer.from_state_dict(original.cfg, hf_weights(original)).half()
+    ids = torch.randint(0, original.cfg.vocab_size, (2, 7))
+    assert torch.equal(model(ids), reference(ids))

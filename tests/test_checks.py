@@ -1,0 +1,88 @@
+"""check_greedy: identical passes, a flip at a real near-tie of the float32 model passes, anything else raises."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import enginelib
+from enginelib.baselines import generate_cached
+from enginelib.checks import NEAR_TIE_MARGIN, Agreement, Divergence, check_greedy
+from enginelib.sampling import SamplingParams
+
+from .conftest import chat_ids
+
+GREEDY = SamplingParams(temperature=0, max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def run(real_f32):
+    """A float32 greedy run, and the reference's top-2 tokens and margin at every generated position."""
+    model, tok = real_f32
+    prompt = chat_ids(tok, "Tell me a story about a dragon.")
+    tokens = generate_cached(model, prompt, GREEDY, tok.eos_token_id).token_ids
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1]
+    best = logits.topk(2, dim=-1)
+    assert best.indices[:, 0].tolist() == tokens, "teacher forcing must reproduce the greedy run"
+    return prompt, tokens, best.indices.tolist(), (best.values[:, 0] - best.values[:, 1]).tolist()
+
+
+def test_identical_tokens_pass(real_f32, run):
+    prompt, tokens, _, _ = run
+    verdict = check_greedy(real_f32[0], [prompt, prompt], [tokens, tokens[:5]], [tokens, tokens[:5]])
+    assert verdict == Agreement(2, ())
+    assert str(verdict) == "2 of 2 requests identical token for token"
+
+
+def test_a_flip_at_a_real_near_tie_passes(real_f32, run):
+    prompt, tokens, top2, margins = run
+    pos = min(range(len(margins)), key=margins.__getitem__)  # the closest call of the whole run
+    assert margins[pos] < NEAR_TIE_MARGIN / 4, f"this run has no near-tie (smallest margin {margins[pos]:.3f})"
+    flipped = tokens[:pos] + [top2[pos][1]] + tokens[pos + 1:]  # the runner-up, then anything
+    verdict = check_greedy(real_f32[0], [prompt, prompt], [tokens, flipped], [tokens, tokens])
+    assert verdict.identical == 1 and len(verdict.near_ties) == 1
+    tie = verdict.near_ties[0]
+    assert (tie.request, tie.position) == (1, pos) and tie.margin == pytest.approx(margins[pos], abs=1e-4)
+    assert f"request 1 at token {pos}" in str(verdict) and "near-tie" in str(verdict)
+    print(verdict)
+
+
+def test_a_flip_at_a_big_margin_raises_and_says_where(real_f32, run):
+    prompt, tokens, top2, margins = run
+    pos = max(range(len(margins)), key=margins.__getitem__)
+    assert margins[pos] > NEAR_TIE_MARGIN
+    flipped = tokens[:pos] + [top2[pos][1]]
+    with pytest.raises(AssertionError, match=rf"request 0 diverges at generated token {pos}: "
+                                             rf"got {top2[pos][1]}, expected {tokens[pos]}.*margin"):
+        check_greedy(real_f32[0], [prompt], [flipped], [tokens])
+
+
+def test_a_token_outside_the_top_two_raises_even_at_a_near_tie(real_f32, run):
+    prompt, tokens, top2, margins = run
+    pos = min(range(len(margins)), key=margins.__getitem__)
+    stranger = next(t for t in range(100, 200) if t not in top2[pos])
+    with pytest.raises(AssertionError, match="not a rounding flip"):
+        check_greedy(real_f32[0], [prompt], [tokens[:pos] + [stranger]], [tokens])
+
+
+def test_same_tokens_but_a_different_length_raise(real_f32, run):
+    prompt, tokens, _, _ = run
+    with pytest.raises(AssertionError, match="one run is longer"):
+        check_greedy(real_f32[0], [prompt], [tokens[:10]], [tokens[:12]])
+    with pytest.raises(ValueError, match="one entry per request"):
+        check_greedy(real_f32[0], [prompt], [tokens], [tokens, tokens])
+
+
+def test_a_float16_model_against_float32_tokens(real, real_f32):
+    """The float16 model's own greedy runs, checked against float32's with a float32 copy as reference."""
+    m32, tok = real_f32
+    m16 = real[0] if real[0].dtype == torch.float16 else enginelib.load_model(
+        device="cpu", dtype=torch.float16, progress=False)[0]
+    prompts = [chat_ids(tok, q) for q in ("Tell me a story about a dragon.", "List three colors.")]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    got = [generate_cached(m16, p, params, tok.eos_token_id).token_ids for p in prompts]
+    expected = [generate_cached(m32, p, params, tok.eos_token_id).token_ids for p in prompts]
+    verdict = check_greedy(m16, prompts, got, expected)  # no reference given: a float32 copy of m16
+    assert verdict.total == 2
+    assert all(isinstance(d, Divergence) and d.margin < NEAR_TIE_MARGIN for d in verdict.near_ties)
+    print(verdict)
