@@ -5,8 +5,9 @@ scheduler sees them. That is continuous batching.
 """
 from __future__ import annotations
 
+import operator
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -109,8 +110,11 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a request (text or token ids); it joins the running batch at a later step."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}: "
+                             "pass SamplingParams(...) or None for the defaults")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         numbered = request_id is None
         while numbered and str(self._next_id) in self._tracked:  # skip ids the caller chose
             self._next_id += 1
@@ -228,13 +232,16 @@ class Engine:
         """Step until every request is done, yielding each request's new text as it comes.
 
         Text that ends in a partial UTF-8 character is held back until the
-        character is complete; a finished request's last delta has ``finished``.
+        character is complete; so are the last ``max(len(stop)) - 1`` characters,
+        which a stop string completed by a later token would cut off the final text.
+        A finished request's last delta has ``finished`` and brings what was held back.
         """
         while self.has_unfinished_requests() or self._pending:
             for out in self.step():
                 tracked = self._tracked[out.request_id]
                 text = out.outputs[0].text
-                ready = len(text) if out.finished else len(text.rstrip("\ufffd"))
+                ready = len(text) if out.finished else max(
+                    tracked.streamed_text, len(text.rstrip("\ufffd")) - _stop_hold_back(tracked.request.params))
                 delta = StreamDelta(out.request_id, text[tracked.streamed_text:ready],
                                     out.outputs[0].token_ids[tracked.streamed_tokens:],
                                     out.finished, out.outputs[0].finish_reason)
@@ -256,6 +263,30 @@ class Engine:
     def request(self, request_id: str) -> Request:
         """The scheduler's record of a request (finished ones too)."""
         return self._tracked[request_id].request
+
+
+def _token_ids(prompt: object) -> list[int]:
+    """A prompt that is not text must be a sequence of int token ids; anything else is refused here,
+    before it reaches the scheduler, with what to pass instead."""
+    what = f"a prompt must be text (str) or a list of int token ids, got {type(prompt).__name__}"
+    if prompt is None or isinstance(prompt, (bytes, Mapping, set, frozenset)) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"{what}: pass a string, or tokenizer.encode(text)")
+    ids = []
+    for t in prompt:
+        if isinstance(t, bool):
+            raise ValueError(f"{what} holding a bool ({t!r}): pass int token ids")
+        try:
+            ids.append(operator.index(t))  # int, numpy and 0-d torch ints; not floats or strings
+        except TypeError:
+            raise ValueError(f"{what} holding {type(t).__name__} {t!r}: pass int token ids, "
+                             "or a single string (one prompt) as text") from None
+    return ids
+
+
+def _stop_hold_back(params: SamplingParams) -> int:
+    """How many trailing characters a stream keeps back: a stop string may start in them and end in a
+    token still to come, and then the final text ends before it (0 without stop strings)."""
+    return max((len(s) for s in params.stop), default=1) - 1
 
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestStatus", "StepRecord"]

@@ -39,6 +39,9 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
+        if not isinstance(prompts, (str, list, tuple)):  # checked here: None or a dict would crash below
+            raise ValueError(f"prompts must be a string, a list of int token ids, or a list of those; "
+                             f"got {type(prompts).__name__}: pass e.g. ['Hello'] or [tokenizer.encode('Hello')]")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -66,6 +69,9 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them), then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"chat needs a non-empty list of messages (or of conversations), got {messages!r}: "
+                             "pass e.g. [{'role': 'user', 'content': 'Hello'}]")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params)

@@ -31,6 +31,21 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
                      "Load the model's safetensors checkpoint with its tokenizer.json instead.")
 
 
+def _check_messages(messages: object) -> None:
+    """Refuse a malformed chat before rendering: a Jinja template would render it silently, or fail
+    with an error about the template rather than about the messages."""
+    example = "[{'role': 'user', 'content': 'Hello'}]"
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"a chat needs a non-empty list of messages, got {messages!r}: pass e.g. {example}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}: pass e.g. {example}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"message {i} needs a string {key!r}, got {m.get(key)!r} in {m!r}: "
+                                 f"pass e.g. {example}")
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` with the special ids and chat template the engine needs."""
 
@@ -61,6 +76,7 @@ class Tokenizer:
         """Render ``[{"role": ..., "content": ...}, ...]`` with the model's own Jinja template."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; pass plain prompts instead")
+        _check_messages(messages)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message: str) -> None:

@@ -176,3 +176,49 @@ def test_free_gpu_memory_counts_what_pytorch_caches_but_no_tensor_holds(monkeypa
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * gib)  # cached by PyTorch...
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * gib)  # ...of which 4 GiB unused
     assert free_gpu_memory("cuda") == 7 * gib
+
+
+def _stop_across_a_token_edge(tok, token_ids: list[int]) -> str:
+    """A 5-character stop string from the middle of a greedy answer, starting 2 characters before a
+    token edge: the token that brings its first 2 characters must not stream them."""
+    text = tok.decode(token_ids, skip_special_tokens=True)
+    edges = [len(tok.decode(token_ids[:i], skip_special_tokens=True)) for i in range(1, len(token_ids))]
+    for edge in sorted(edges, key=lambda e: abs(e - len(text) // 2)):
+        stop = text[edge - 2:edge + 3]
+        if len(stop) == 5 and text.find(stop) == edge - 2 and text[edge - 2:edge].strip():
+            return stop
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def _stream_with_stop(engine: Engine, tok, questions: list[str]) -> dict[str, str]:
+    """Stream the questions, each with a stop string cut from its own greedy answer; check every delta."""
+    params = {}
+    answers = LLM.from_model(engine.model, tok).generate([chat_ids(tok, q) for q in questions], GREEDY)
+    for q, answer in zip(questions, answers):
+        stop = _stop_across_a_token_edge(tok, answer.outputs[0].token_ids)
+        params[engine.add_request(chat_ids(tok, q), SamplingParams(temperature=0, max_tokens=40, stop=[stop]))] = q
+    pieces, reasons = {rid: "" for rid in params}, {}
+    history = {rid: [] for rid in params}
+    for delta in engine.stream():
+        pieces[delta.request_id] += delta.text
+        history[delta.request_id].append(pieces[delta.request_id])
+        if delta.finished:
+            reasons[delta.request_id] = delta.finish_reason
+    for rid in params:
+        final = engine._tracked[rid].text
+        assert pieces[rid] == final
+        assert all(final.startswith(sent) for sent in history[rid]), "a delta ran past the final text"
+    assert engine.pool.num_used == 0
+    return reasons
+
+
+def test_stream_never_sends_text_a_stop_string_later_cuts_off(real):
+    model, tok = real
+    reasons = _stream_with_stop(Engine(model, tok), tok, ["List the planets of the solar system."])
+    assert list(reasons.values()) == ["stop"]
+
+
+def test_stream_with_stop_strings_for_several_requests_at_once(real):
+    model, tok = real
+    reasons = _stream_with_stop(Engine(model, tok), tok, QUESTIONS[2:6])
+    assert "stop" in reasons.values()
