@@ -4,16 +4,18 @@ from .checks import NEAR_TIE_MARGIN, Agreement, Divergence, check_greedy
 from .device import default_dtype, pick_device, set_threads
 from .engine import Engine, EngineConfig
 from .kv_cache import ContiguousKVCache, PagedKVCache
+from .kv_manager import KVCacheManager
 from .llm import LLM
 from .model import ModelConfig, Transformer
 from .outputs import CompletionOutput, RequestOutput
-from .sampling import SamplingParams, sample
+from .params import SamplingParams
+from .sampling import sample
 from .scheduler import Scheduler, SchedulerConfig
 from .tokenizer import Tokenizer
 from .weights import DEFAULT_MODEL, fetch, load_model
 
 __all__ = [
     "DEFAULT_MODEL", "LLM", "NEAR_TIE_MARGIN", "Agreement", "BlockPool", "CompletionOutput", "ContiguousKVCache", "Divergence", "Engine", "EngineConfig",
-    "ModelConfig", "PagedKVCache", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerConfig",
+    "KVCacheManager",     "ModelConfig", "PagedKVCache", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerConfig",
     "Tokenizer", "Transformer", "check_greedy", "default_dtype", "fetch", "load_model", "pick_device", "sample", "set_threads",
 ]

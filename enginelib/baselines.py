@@ -16,7 +16,9 @@ import torch
 
 from .kv_cache import ContiguousKVCache
 from .model import Transformer
-from .sampling import SamplingParams, finish_reason, make_generator, sample
+from .params import SamplingParams, finish_reason
+from .params import check_request as validate
+from .sampling import make_generator, sample
 
 
 @dataclass
@@ -30,19 +32,11 @@ class Generation:
 
 
 def check_request(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> None:
-    """Refuse, with a message saying what to change, what cannot run."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
+    """Refuse, with a message saying what to change, what cannot run (the engine's checks, and one more)."""
+    validate(prompt_ids, params, model.cfg.vocab_size, model.cfg.context_length)
     if params.stop:
         raise ValueError("stop strings are applied by the engine (chapter 7); Part I's generators "
                          "stop on tokens: use stop_token_ids")
-    limit = model.cfg.context_length
-    if len(prompt_ids) + params.max_tokens > limit:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                         f"model's context of {limit} tokens: shorten the prompt or lower max_tokens")
-    bad = [t for t in prompt_ids if not 0 <= t < model.cfg.vocab_size]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{model.cfg.vocab_size - 1})")
 
 
 def _append(gen: Generation, token: int, start: float, params: SamplingParams, eos: int | None) -> bool:

@@ -20,6 +20,7 @@ class SequenceWork:
     token_ids: list[int]    # the tokens to compute this step
     start: int              # position of the first of them (= tokens already cached)
     block_table: list[int]  # its blocks, in order
+    sample: bool = True     # its last token needs logits (not a prefill chunk with more to come)
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Batch:
     block_tables: torch.Tensor  # [S, max_blocks] (padded with block 0, never read past context_lens)
     context_lens: torch.Tensor  # [S] tokens each sequence has in the cache after this step
     query_lens: list[int]       # [S] new tokens per sequence
-    logits_indices: torch.Tensor  # [S] row of each sequence's last new token: only these get logits
+    logits_indices: torch.Tensor  # [R] row of the last new token of each sequence that samples: only these get logits
 
     @property
     def num_tokens(self) -> int:
@@ -51,14 +52,15 @@ class Batch:
             tokens += s.token_ids
             positions += pos
             slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
-            ends.append(len(tokens) - 1)
+            if s.sample:
+                ends.append(len(tokens) - 1)
         width = max(len(s.block_table) for s in seqs)
         tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
         context_lens = [s.start + len(s.token_ids) for s in seqs]
         n, num_seqs = len(tokens), len(seqs)
         flat = to_device(tokens + positions + slots + tables + context_lens + ends, device)
         token_ids, pos, slot_mapping, block_tables, lens, logits_indices = flat.split(
-            [n, n, n, num_seqs * width, num_seqs, num_seqs])
+            [n, n, n, num_seqs * width, num_seqs, len(ends)])
         return cls(token_ids, pos, slot_mapping, block_tables.view(num_seqs, width), lens,
                    [len(s.token_ids) for s in seqs], logits_indices)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -34,12 +35,14 @@ from .checks import check_greedy, float32_reference
 from .device import PackedLinear, pick_device, set_threads
 from .engine import Engine, EngineConfig
 from .model import Transformer
-from .sampling import SamplingParams
+from .outputs import RequestOutput
+from .params import SamplingParams
+from .scheduler import SchedulerConfig
 from .tokenizer import Tokenizer
 from .weights import DEFAULT_MODEL, load_model
 
 SYSTEMS = ("naive", "kv_cache", "static", "hf_static", "engine")
-WORKLOADS = ("seed", "mixed", "poisson", "shared-prefix")
+WORKLOADS = ("seed", "mixed", "poisson", "shared-prefix", "long-prompt")
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
@@ -108,6 +111,15 @@ def make_workload(name: str, tok: Tokenizer, quick: bool = False, rate: float = 
         system = ("You are a meticulous assistant for a bakery. Answer briefly and kindly. " * 12).strip()
         reqs = [BenchRequest(_chat(tok, QUESTIONS[i % len(QUESTIONS)], system), new) for i in range(n)]
         return Workload(name, reqs)
+    if name == "long-prompt":  # short requests decoding when long documents arrive (chunked prefill, chapter 10)
+        short, new, long_tokens, at = (6, 40, 700, (6, 18)) if quick else (12, 96, 1500, (8, 30, 60))
+        reqs = [BenchRequest(_chat(tok, QUESTIONS[i % len(QUESTIONS)]), new) for i in range(short)]
+        words = " ".join(QUESTIONS).split()
+        for i, step in enumerate(at):
+            document = " ".join(words[(i * 7 + j) % len(words)] for j in range(long_tokens))
+            ids = _chat(tok, "Summarize this text: " + document)[-long_tokens:]
+            reqs.append(BenchRequest(ids, 4, arrival_step=step))
+        return Workload(name, reqs)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
@@ -123,9 +135,12 @@ class SystemResult:
     seconds: float
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)  # every gap between two tokens of a request
     e2e: list[float] = field(default_factory=list)
     note: str = ""
+    prefix_hit_rate: float | None = None  # the engine's, when it caches prefixes
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    timings: list[tuple[float, list[float]]] = field(default_factory=list, repr=False)  # (arrival, token times)
 
     @property
     def tok_per_s(self) -> float:
@@ -136,6 +151,7 @@ class SystemResult:
                 "requests": self.requests,
                 "ttft_p50_s": _pct(self.ttft, 50), "ttft_p99_s": _pct(self.ttft, 99),
                 "tpot_p50_s": _pct(self.tpot, 50), "tpot_p99_s": _pct(self.tpot, 99),
+                "itl_p99_s": _pct(self.itl, 99), "prefix_hit_rate": self.prefix_hit_rate,
                 "e2e_p50_s": _pct(self.e2e, 50), "note": self.note}
 
 
@@ -151,6 +167,7 @@ def _latencies(result: SystemResult, arrival: float, token_times: list[float]) -
     result.ttft.append(token_times[0] - arrival)
     if len(token_times) > 1:
         result.tpot.append((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+        result.itl += [b - a for a, b in zip(token_times, token_times[1:])]
     result.e2e.append(token_times[-1] - arrival)
 
 
@@ -207,9 +224,10 @@ def run_static(model: Transformer, tok: Tokenizer, wl: Workload, batch_size: int
 def run_engine(model: Transformer, tok: Tokenizer, wl: Workload, config: EngineConfig) -> SystemResult:
     """Continuous batching: each request joins at its arrival (in seconds or in engine steps)."""
     engine = Engine(model, tok, config)
-    result = SystemResult("engine", len(wl.requests), 0, 0.0, note=f"max_num_seqs={config.max_num_seqs}")
+    result = SystemResult("engine", len(wl.requests), 0, 0.0, note=f"max_num_seqs={config.scheduler.max_num_seqs}")
     pending = sorted(range(len(wl.requests)), key=lambda i: (wl.requests[i].arrival_step, wl.requests[i].arrival_s))
     ids: dict[str, int] = {}
+    finals: dict[str, RequestOutput] = {}
     start = time.perf_counter()
     with tqdm(total=len(wl.requests), desc="engine", leave=False, disable=None) as bar:
         while pending or engine.has_unfinished_requests():
@@ -221,18 +239,66 @@ def run_engine(model: Transformer, tok: Tokenizer, wl: Workload, config: EngineC
             if not engine.has_unfinished_requests() and wl.requests[pending[0]].arrival_s > now:
                 time.sleep(wl.requests[pending[0]].arrival_s - now)
                 continue
-            bar.update(sum(out.finished for out in engine.step()))
+            done = [out for out in engine.step() if out.finished]
+            finals |= {out.request_id: out for out in done}
+            bar.update(len(done))
     _sync(model)
     result.seconds = time.perf_counter() - start
+    if config.enable_prefix_caching:
+        result.prefix_hit_rate = engine.kv.stats.hit_rate
     for rid, i in sorted(ids.items(), key=lambda kv: kv[1]):
-        req = engine.request(rid)
-        result.output_tokens += len(req.output_token_ids)
-        result.outputs.append(req.output_token_ids)
+        out = finals[rid]
+        result.output_tokens += len(out.outputs[0].token_ids)
+        result.outputs.append(out.outputs[0].token_ids)
         # A request injected at a step arrives when it is added; one with an arrival time arrives then,
         # even if a busy step delayed its add (that wait is part of its latency).
-        arrival = req.arrival_time if wl.requests[i].arrival_step else start + wl.requests[i].arrival_s
-        _latencies(result, arrival, req.token_times)
+        arrival = out.metrics.arrival_time if wl.requests[i].arrival_step else start + wl.requests[i].arrival_s
+        _latencies(result, arrival, out.metrics.token_times)
+        result.timings.append((arrival, out.metrics.token_times))
     return result
+
+
+def prefix_cache_effect(model: Transformer, tok: Tokenizer, config: EngineConfig, quick: bool) -> dict:
+    """The ``shared-prefix`` workload with the prefix cache on and off, same process: TTFT and hit rate."""
+    wl = make_workload("shared-prefix", tok, quick)
+    on = run_engine(model, tok, wl, dataclasses.replace(config, enable_prefix_caching=True))
+    off = run_engine(model, tok, wl, dataclasses.replace(config, enable_prefix_caching=False))
+    _check_same_tokens(model, wl, {"kv_cache": off, "engine": on})  # off is the reference here
+    return {"ttft_p50_on_s": _pct(on.ttft, 50), "ttft_p50_off_s": _pct(off.ttft, 50),
+            "ttft_ratio": _pct(on.ttft, 50) / _pct(off.ttft, 50), "hit_rate": on.prefix_hit_rate,
+            "tok_per_s_on": on.tok_per_s, "tok_per_s_off": off.tok_per_s, "note": on.note.strip("; ")}
+
+
+def chunked_prefill_effect(model: Transformer, tok: Tokenizer, config: EngineConfig, quick: bool,
+                           budget: int) -> dict:
+    """The ``long-prompt`` workload with and without chunked prefill: decode latency of the running requests.
+
+    Without chunking a long prompt is prefilled in one step and every running
+    request waits for it; with a token budget of ``budget`` it is split. The
+    tail of the gaps between tokens (p99 inter-token latency, the TPOT a
+    streaming reader feels) is compared on the short requests only.
+    """
+    wl = make_workload("long-prompt", tok, quick)
+    short = Workload(wl.name, [r for r in wl.requests if r.arrival_step == 0], wl.ignore_eos)
+    runs = {}
+    for chunked in (True, False):
+        sched = dataclasses.replace(config.scheduler, enable_chunked_prefill=chunked,
+                                    max_num_batched_tokens=budget if chunked else 4096)
+        runs[chunked] = run_engine(model, tok, wl, dataclasses.replace(config, scheduler=sched))
+    decode_itl = {}
+    for chunked, r in runs.items():
+        gaps = SystemResult("short", 0, 0, 1.0)
+        for req, (arrival, times) in zip(wl.requests, r.timings):
+            if req.arrival_step == 0:
+                _latencies(gaps, arrival, times)
+        decode_itl[chunked] = _pct(gaps.itl, 99)
+    _check_same_tokens(model, wl, {"kv_cache": runs[False], "engine": runs[True]})
+    return {"budget": budget, "short_requests": len(short.requests),
+            "tpot_p99_on_s": decode_itl[True], "tpot_p99_off_s": decode_itl[False],
+            "tpot_p99_ratio": decode_itl[True] / decode_itl[False],
+            "ttft_p50_long_on_s": _pct([t for q, t in zip(wl.requests, runs[True].ttft) if q.arrival_step], 50),
+            "ttft_p50_long_off_s": _pct([t for q, t in zip(wl.requests, runs[False].ttft) if q.arrival_step], 50),
+            "note": runs[True].note.strip("; ")}
 
 
 def latency_curve(model: Transformer, tok: Tokenizer, rates: list[float], config: EngineConfig,
@@ -345,8 +411,7 @@ def decode_flops_per_token(model: Transformer, context: int) -> float:
 
 def decode_step_time(model: Transformer, tok: Tokenizer, batch: int, new_tokens: int) -> tuple[float, int]:
     """Median time of pure decode steps with ``batch`` running requests, and their mean context."""
-    engine = Engine(model, tok, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 64),
-                                             record=True))
+    engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(batch, max(2048, batch * 64)), record=True))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(_chat(tok, QUESTIONS[i % len(QUESTIONS)]), params)
@@ -476,6 +541,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-len", type=int, default=2048, help="what a contiguous cache reserves per request")
     ap.add_argument("--naive-requests", type=int, default=None,
                     help="serve only this many requests with naive/kv_cache (they are slow); default 2 quick, 4 full")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="the engine without its prefix cache")
+    ap.add_argument("--no-chunked-prefill", action="store_true", help="the engine prefills each prompt in one step")
+    ap.add_argument("--chunk-budget", type=int, default=256,
+                    help="the token budget per step in the chunked-prefill comparison")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     args = ap.parse_args(argv)
 
@@ -491,7 +560,8 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
     few = args.naive_requests or (2 if args.quick else 4)
     hf = load_hf(device, model.dtype) if "hf_static" in systems else None
-    config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096)
+    config = EngineConfig(enable_prefix_caching=not args.no_prefix_caching,
+                          scheduler=SchedulerConfig(args.max_num_seqs, 4096, not args.no_chunked_prefill))
 
     warm = Workload("warm-up", [BenchRequest(_chat(tok, "hi"), 4)])
     run_engine(model, tok, warm, config)
@@ -527,6 +597,9 @@ def main(argv: list[str] | None = None) -> dict:
     if hf is None and "hf_static" in systems:
         report["notes"] = ["transformers is not installed: hf_static skipped"]
     report |= _roofline(model, tok, hf, device, args.quick)
+    if "engine" in systems:
+        report["prefix_cache"] = prefix_cache_effect(model, tok, config, args.quick)
+        report["chunked_prefill"] = chunked_prefill_effect(model, tok, config, args.quick, args.chunk_budget)
     report["ratios"]["single_stream_vs_hf"] = report.pop("_single_stream_vs_hf")
     engine_outputs = first["engine"].outputs if "engine" in first else None
     wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
@@ -631,6 +704,13 @@ def _print_summary(report: dict) -> None:
     print(f"decode MFU at batch 32: {report['mfu_decode_b32']:.1%}; single stream "
           f"{report['single_stream_tok_per_s']:.1f} tok/s = {report['single_stream_roofline_frac']:.0%} of the "
           f"bandwidth roofline ({report['single_stream_roofline_tok_per_s']:.1f} tok/s)")
+    if "prefix_cache" in report:
+        p, c = report["prefix_cache"], report["chunked_prefill"]
+        print(f"prefix cache (shared-prefix): TTFT p50 {_fmt(p['ttft_p50_on_s'], 1e3, 0)} ms with, "
+              f"{_fmt(p['ttft_p50_off_s'], 1e3, 0)} ms without (ratio {p['ttft_ratio']:.2f}); "
+              f"hit rate {p['hit_rate']:.0%}")
+        print(f"chunked prefill (long-prompt, budget {c['budget']}): decode p99 gap {_fmt(c['tpot_p99_on_s'], 1e3, 0)} ms "
+              f"with, {_fmt(c['tpot_p99_off_s'], 1e3, 0)} ms without (ratio {c['tpot_p99_ratio']:.2f})")
     if "kv_waste" in report:
         w, c = report["kv_waste"], report["concurrency"]
         print(f"KV waste: paged {w['paged']:.1%} vs reserve-{w['max_len']} {w['contiguous']:.1%}; "

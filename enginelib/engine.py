@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import operator
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch.profiler import record_function
@@ -17,14 +18,17 @@ from .batch import Batch, SequenceWork
 from .block_pool import BlockPool, PoolStats
 from .device import free_gpu_memory
 from .kv_cache import PagedKVCache
+from .kv_manager import KVCacheManager, PrefixCacheStats
 from .model import Transformer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
+from .params import SamplingParams, check_request
 from .request import Request, RequestStatus
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import make_generator, sample
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .tokenizer import Tokenizer
+from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20  # bytes of K/V on a CPU when nothing else is said
+KEEP_FINISHED = 1024  # finished requests kept for engine.request(); nothing walks them per step
 
 
 @dataclass(frozen=True)
@@ -33,9 +37,20 @@ class EngineConfig:
     num_blocks: int | None = None       # the pool's size; else from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for K/V; default 512 MiB on a CPU, else the fraction below
     gpu_memory_fraction: float = 0.4    # of the free GPU memory (device.free_gpu_memory), when kv_cache_memory is not given
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True  # reuse computed blocks of a shared prefix (chapter 9)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # seats, token budget, chunked prefill
     record: bool = False                # keep a StepRecord per step (for timelines and block maps)
+
+    @classmethod
+    def from_args(cls, **args) -> "EngineConfig":
+        """Flat keyword arguments, as ``LLM(max_num_seqs=8, block_size=16)`` takes them, sorted into the configs."""
+        names = {f.name for f in fields(SchedulerConfig)}
+        unknown = set(args) - names - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown engine arguments {sorted(unknown)}: use fields of EngineConfig or SchedulerConfig")
+        scheduler = SchedulerConfig(**{k: args.pop(k) for k in list(args) if k in names})
+        args.setdefault("scheduler", scheduler)
+        return cls(**args)
 
 
 @dataclass(frozen=True)
@@ -45,13 +60,15 @@ class StepRecord:
     step: int
     time: float
     scheduled: dict[str, int]           # request id -> tokens computed this step
-    prefill: frozenset[str]             # which of them were prefills
+    prefill: frozenset[str]             # which of them were prefills (or chunks of one)
     preempted: tuple[str, ...]
-    states: dict[str, str]              # every request seen so far -> its status
+    states: dict[str, str]              # requests alive this step (and those that just ended) -> status
     block_tables: dict[str, list[int]]  # running requests -> their blocks
     num_cached: dict[str, int]          # running requests -> tokens in the cache
     num_blocks: int
     block_size: int
+    ref_counts: tuple[int, ...] = ()    # per block: how many requests hold it (prefix caching shares blocks)
+    block_hashes: dict[int, str] = field(default_factory=dict)  # cached blocks -> short hash (chapter 9)
 
 
 @dataclass(frozen=True)
@@ -63,18 +80,16 @@ class EngineStats:
     preemptions: int
     generated_tokens: int
     pool: PoolStats
+    prefix_cache: PrefixCacheStats
 
 
 @dataclass
-class _Tracked:
-    """Engine-side state of a request that the scheduler does not need."""
+class _Live:
+    """Engine-side state of an unfinished request that the scheduler does not need."""
 
     request: Request
     generator: torch.Generator | None
-    text: str = ""
-    streamed_text: int = 0
-    streamed_tokens: int = 0
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    detokenizer: IncrementalDetokenizer
 
 
 class Engine:
@@ -88,12 +103,14 @@ class Engine:
             raise ValueError(f"the KV cache memory ({self._kv_memory()} bytes) holds no block of "
                              f"{config.block_size} tokens ({block_bytes} bytes): give it more memory")
         self.pool = BlockPool(num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                                   self.pool, tokenizer.eos_token_id)
+        self.scheduler = Scheduler(config.scheduler, self.kv, tokenizer.eos_token_id)
         self.history: list[StepRecord] = []
         self.steps = 0
-        self._tracked: dict[str, _Tracked] = {}
+        self._live: dict[str, _Live] = {}                       # unfinished requests
+        self._finished: OrderedDict[str, Request] = OrderedDict()  # the last KEEP_FINISHED that ended
+        self._num_finished = self._num_preemptions = self._num_generated = 0
         self._next_id = 0
         self._pending: list[RequestOutput] = []  # aborted outputs, returned by the next step
 
@@ -109,40 +126,31 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request (text or token ids); it joins the running batch at a later step."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}: "
-                             "pass SamplingParams(...) or None for the defaults")
+        params = SamplingParams() if params is None else params
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
+        check_request(ids, params, self.model.cfg.vocab_size, self.model.cfg.context_length)
         numbered = request_id is None
-        while numbered and str(self._next_id) in self._tracked:  # skip ids the caller chose
+        while numbered and str(self._next_id) in self._live:  # skip ids the caller chose
             self._next_id += 1
         request_id = str(self._next_id) if numbered else str(request_id)
-        if request_id in self._tracked:
+        if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use: pick another")
-        cfg = self.model.cfg
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if any(not 0 <= t < cfg.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in 0..{cfg.vocab_size - 1}")
-        if len(ids) + params.max_tokens > cfg.context_length:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                             f"context of {cfg.context_length} tokens: shorten the prompt or lower max_tokens")
-        now = time.perf_counter()
-        request = Request(request_id, ids, params, prompt=text, arrival_time=now)
+        request = Request(request_id, ids, params, prompt=text, metrics=RequestMetrics(time.perf_counter()))
         self.scheduler.add(request)  # raises if the pool could never hold it
         self._next_id += numbered  # a refused request uses up no id
-        self._tracked[request_id] = _Tracked(request, make_generator(params.seed, self.model.device),
-                                             metrics=RequestMetrics(arrival_time=now))
+        self._finished.pop(request_id, None)  # an id may be used again once its request is done
+        self._live[request_id] = _Live(request, make_generator(params.seed, self.model.device),
+                                       IncrementalDetokenizer(self.tokenizer))
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now; its blocks go back to the pool. Unknown or finished ids raise."""
         request = self.scheduler.find(request_id)
         self.scheduler.finish(request, "abort")
-        self._finished(self._tracked[request_id], time.perf_counter())
-        out = self._output(self._tracked[request_id])
+        live = self._live[request_id]
+        out = self._output(live)
+        self._forget(live, time.perf_counter())
         self._pending.append(out)
         return out
 
@@ -150,11 +158,20 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        done = [t for t in self._tracked.values() if t.request.is_finished]
-        return EngineStats(self.steps, len(self.scheduler.running), len(self.scheduler.waiting), len(done),
-                           sum(t.request.num_preemptions for t in self._tracked.values()),
-                           sum(len(t.request.output_token_ids) for t in self._tracked.values()),
-                           self.pool.stats())
+        """Counters kept as things happen: nothing here walks past requests."""
+        return EngineStats(self.steps, len(self.scheduler.running), len(self.scheduler.waiting),
+                           self._num_finished, self._num_preemptions, self._num_generated,
+                           self.pool.stats(), self.kv.stats)
+
+    def request(self, request_id: str) -> Request:
+        """The scheduler's record of a request: an unfinished one, or one of the last KEEP_FINISHED to end."""
+        live = self._live.get(request_id)
+        if live is not None:
+            return live.request
+        if request_id in self._finished:
+            return self._finished[request_id]
+        raise ValueError(f"no request {request_id!r}: unknown, or finished more than {KEEP_FINISHED} requests ago "
+                         "(keep the RequestOutput that step() returned when it finished)")
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -164,69 +181,89 @@ class Engine:
         with record_function("schedule"):  # named phases show up in torch.profiler (chapter 8)
             plan = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
+        ended = [o.request_id for o in outputs]
+        self._num_preemptions += len(plan.preempted)
         if not plan.is_empty:
             tokens = self._run_model(plan)
             with record_function("update"):
                 now = time.perf_counter()
                 self.scheduler.update(plan, tokens)
+                self._num_generated += len(tokens)
                 for work in plan.scheduled:
-                    tracked = self._tracked[work.request.request_id]
-                    self._record_token(tracked, work.request, now)
-                    outputs.append(self._output(tracked))
+                    if not work.samples:
+                        continue  # a prefill chunk: nothing to tell yet
+                    live = self._live[work.request.request_id]
+                    self._new_token(live, now)
+                    outputs.append(self._output(live))
+                    if work.request.is_finished:
+                        self._forget(live, now)
+                        ended.append(work.request.request_id)
         self.steps += 1
         if self.config.record:
-            self.history.append(self._snapshot(plan))
+            self.history.append(self._snapshot(plan, ended))
         return outputs
 
     def _run_model(self, plan: SchedulerOutput) -> list[int]:
+        """Compute the step's tokens; return one sampled token per work that ``samples``."""
         with record_function("prepare"):
-            seqs = [SequenceWork(w.request.all_token_ids[w.request.num_computed_tokens:],
-                                 w.request.num_computed_tokens, w.request.block_table) for w in plan.scheduled]
+            seqs = [SequenceWork(w.request.token_slice(w.start, w.start + w.num_tokens), w.start,
+                                 w.request.block_table, w.samples) for w in plan.scheduled]
             batch = Batch.build(seqs, self.pool.block_size, self.model.device)
-            cache = self.cache.bind(batch)
-        with record_function("forward"):
-            logits = self.model(batch.token_ids[None], cache, logits_indices=batch.logits_indices)
+        with record_function("forward"):  # a step of prefill chunks only has no rows of logits
+            logits = self.model(batch.token_ids, self.cache.bind(batch), positions=batch.positions,
+                                logits_indices=batch.logits_indices)
         with record_function("sample"):
             # Every row is sampled on the device first (greedy rows by argmax, the others with their own
             # generators), then one transfer brings the whole step's tokens to the host: one sync per step.
             tokens = logits.argmax(dim=-1)
-            for row, work in enumerate(plan.scheduled):
-                params = work.request.params
-                if not params.greedy:
-                    generator = self._tracked[work.request.request_id].generator
-                    tokens[row:row + 1] = sample(logits[row:row + 1], params, generator)
+            sampling = [w.request for w in plan.scheduled if w.samples]
+            for row, request in enumerate(sampling):
+                if not request.params.greedy:
+                    generator = self._live[request.request_id].generator
+                    tokens[row:row + 1] = sample(logits[row:row + 1], request.params, generator)
             return tokens.tolist()
 
-    def _record_token(self, tracked: _Tracked, request: Request, now: float) -> None:
-        m = tracked.metrics
-        m.first_scheduled_time = m.first_scheduled_time or now
-        m.first_token_time = m.first_token_time or now
-        m.last_token_time = now
-        m.num_output_tokens = len(request.output_token_ids)
-        m.num_preemptions = request.num_preemptions
-        request.token_times.append(now)
-        tracked.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        if not request.is_finished:
-            self._check_stop_strings(tracked, request)
+    def _new_token(self, live: _Live, now: float) -> None:
+        """Stamp the token's time, extend the text by the new characters only, and look for stop strings there."""
+        request = live.request
+        request.metrics.token_times.append(now)
+        detok = live.detokenizer
+        before = len(detok.text)
+        detok.step(request.output_token_ids)
         if request.is_finished:
-            self._finished(tracked, now)
+            detok.flush(request.output_token_ids)
+        elif request.params.stop:
+            self._check_stop_strings(live, before)
 
-    def _check_stop_strings(self, tracked: _Tracked, request: Request) -> None:
-        """End the request when its text contains a stop string; the text is cut before it."""
-        hits = [i for s in request.params.stop if (i := tracked.text.find(s)) >= 0]
+    def _check_stop_strings(self, live: _Live, before: int) -> None:
+        """End the request when its text contains a stop string; the text is cut before it.
+
+        Only the new characters can complete a match, so the search starts
+        ``max(len(stop)) - 1`` characters before them: the work per token stays
+        constant however long the text grows.
+        """
+        text, params = live.detokenizer.text, live.request.params
+        start = max(0, before - _stop_hold_back(params))
+        hits = [i for s in params.stop if (i := text.find(s, start)) >= 0]
         if hits:
-            tracked.text = tracked.text[:min(hits)]
-            self.scheduler.finish(request, "stop")
+            live.detokenizer.text = text[:min(hits)]
+            self.scheduler.finish(live.request, "stop")
 
-    def _finished(self, tracked: _Tracked, now: float) -> None:
-        tracked.request.finish_time = now
-        tracked.metrics.finished_time = now
+    def _forget(self, live: _Live, now: float) -> None:
+        """A finished request leaves the engine's per-step state; counters and a bounded record remain."""
+        request = live.request
+        request.metrics.finished_time = now
+        del self._live[request.request_id]
+        self._finished[request.request_id] = request
+        if len(self._finished) > KEEP_FINISHED:
+            self._finished.popitem(last=False)
+        self._num_finished += 1
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        r = tracked.request
+    def _output(self, live: _Live) -> RequestOutput:
+        r = live.request
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids,
-                             [CompletionOutput(0, tracked.text, list(r.output_token_ids), r.finish_reason)],
-                             r.is_finished, tracked.metrics)
+                             [CompletionOutput(0, live.detokenizer.text, list(r.output_token_ids), r.finish_reason)],
+                             r.is_finished, r.metrics)
 
     def stream(self) -> Iterator[StreamDelta]:
         """Step until every request is done, yielding each request's new text as it comes.
@@ -236,33 +273,33 @@ class Engine:
         which a stop string completed by a later token would cut off the final text.
         A finished request's last delta has ``finished`` and brings what was held back.
         """
+        sent: dict[str, tuple[int, int]] = {}  # request id -> (characters, tokens) streamed so far
         while self.has_unfinished_requests() or self._pending:
             for out in self.step():
-                tracked = self._tracked[out.request_id]
-                text = out.outputs[0].text
-                ready = len(text) if out.finished else max(
-                    tracked.streamed_text, len(text.rstrip("\ufffd")) - _stop_hold_back(tracked.request.params))
-                delta = StreamDelta(out.request_id, text[tracked.streamed_text:ready],
-                                    out.outputs[0].token_ids[tracked.streamed_tokens:],
-                                    out.finished, out.outputs[0].finish_reason)
-                tracked.streamed_text, tracked.streamed_tokens = ready, len(out.outputs[0].token_ids)
-                yield delta
+                done = out.outputs[0]
+                chars, ntok = sent.pop(out.request_id, (0, 0))
+                hold = 0 if out.finished else _stop_hold_back(self._live[out.request_id].request.params)
+                ready = len(done.text) if out.finished else max(chars, len(done.text) - hold)
+                yield StreamDelta(out.request_id, done.text[chars:ready], done.token_ids[ntok:],
+                                  out.finished, done.finish_reason)
+                if not out.finished:
+                    sent[out.request_id] = (ready, len(done.token_ids))
 
-    def _snapshot(self, plan: SchedulerOutput) -> StepRecord:
+    def _snapshot(self, plan: SchedulerOutput, ended: list[str]) -> StepRecord:
         running = self.scheduler.running
+        states = {rid: live.request.status.value for rid, live in self._live.items()}
+        states |= {rid: RequestStatus.FINISHED.value for rid in ended}
         return StepRecord(
             step=self.steps - 1, time=time.perf_counter(),
             scheduled={w.request.request_id: w.num_tokens for w in plan.scheduled},
             prefill=frozenset(w.request.request_id for w in plan.scheduled if w.is_prefill),
             preempted=tuple(r.request_id for r in plan.preempted),
-            states={rid: t.request.status.value for rid, t in self._tracked.items()},
+            states=states,
             block_tables={r.request_id: list(r.block_table) for r in running},
             num_cached={r.request_id: r.num_computed_tokens for r in running},
-            num_blocks=self.pool.num_blocks, block_size=self.pool.block_size)
-
-    def request(self, request_id: str) -> Request:
-        """The scheduler's record of a request (finished ones too)."""
-        return self._tracked[request_id].request
+            num_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
+            ref_counts=tuple(self.pool.ref_counts),
+            block_hashes={b: f"{h & 0xFFFFFFFF:08x}" for b, h in enumerate(self.pool.block_hashes) if h is not None})
 
 
 def _token_ids(prompt: object) -> list[int]:

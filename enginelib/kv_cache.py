@@ -144,7 +144,9 @@ class PagedKVCache:
 
     A sequence's tokens live in whichever blocks its block table lists, so
     memory is taken a block at a time as sequences grow, not reserved up front.
-    ``bind(batch)`` prepares one step; the model then calls ``attend`` per layer.
+    ``bind(batch)`` prepares one step; the model, given the batch's flat tokens
+    and positions (``model(batch.token_ids, cache.bind(batch), positions=batch.positions)``),
+    then calls ``attend`` per layer. The scheduler, not the cache, counts what each sequence holds.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, *,
@@ -171,9 +173,6 @@ class PagedKVCache:
         self._groups = _attention_groups(batch, self.block_size, self.num_groups, self.k.dtype)
         return self
 
-    def positions(self, num_tokens: int) -> torch.Tensor:
-        return self.batch.positions[None]
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this step's K/V into their slots (one vectorized copy), then attend through the blocks."""
         slots = self.batch.slot_mapping
@@ -185,6 +184,3 @@ class PagedKVCache:
         for group in self._groups:
             out.index_copy_(0, group.dest, paged_attention(q[0], self.k[layer], self.v[layer], group))
         return out[None]
-
-    def advance(self, num_tokens: int) -> None:
-        """Nothing to do: the scheduler counts what each sequence has cached."""

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from .engine import Engine, EngineConfig
 from .model import Transformer
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .params import SamplingParams
 from .tokenizer import Tokenizer
 from .weights import DEFAULT_MODEL, load_model
 
@@ -33,7 +33,7 @@ class LLM:
 
     def _setup(self, model: Transformer, tokenizer: Tokenizer, engine_args: dict) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.engine = Engine(model, tokenizer, EngineConfig(**engine_args))
+        self.engine = Engine(model, tokenizer, EngineConfig.from_args(**engine_args))
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -51,10 +51,15 @@ class ModelConfig:
 
 
 class Cache(Protocol):
-    """What the model needs from a KV cache (contiguous in Part I, paged in Part II)."""
+    """What the model needs from a KV cache: store this layer's K/V, attend over what it holds."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class SequenceCache(Cache, Protocol):
+    """A cache that tracks its own length (Part I's contiguous cache): it knows the next positions."""
 
     def positions(self, num_tokens: int) -> torch.Tensor: ...
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
     def advance(self, num_tokens: int) -> None: ...
 
 
@@ -169,7 +174,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class Block(nn.Module):
+class DecoderLayer(nn.Module):
     """One decoder layer: pre-norm attention, then pre-norm MLP, each with a residual."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -192,7 +197,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -211,11 +216,20 @@ class Transformer(nn.Module):
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with ``last_only``).
 
-        With a cache, new K/V are stored in it and attention also reads what it
-        holds; positions then come from the cache unless given. The LM head is
-        the biggest matmul per token, so only the rows that will be sampled get
-        it: the last (``last_only``), or the flat rows ``logits_indices`` -> [R, vocab].
+        A *flat* batch is input_ids [N] with positions [N]: the tokens of many
+        sequences end to end, as the paged engine runs a step; the cache knows
+        which token belongs to which sequence. With a cache, new K/V are stored
+        in it and attention also reads what it holds; a contiguous cache (Part I)
+        supplies the positions when none are given and counts what it holds. The
+        LM head is the biggest matmul per token, so only the rows that will be
+        sampled get it: the last (``last_only``), or the flat rows ``logits_indices`` -> [R, vocab].
         """
+        flat = input_ids.dim() == 1
+        if flat:
+            if positions is None or cache is None:
+                raise ValueError("a flat batch (input_ids [N]) needs its positions [N] and a cache that knows "
+                                 "the sequences (PagedKVCache.bind(batch))")
+            input_ids, positions = input_ids[None], positions[None]
         b, t = input_ids.shape
         if positions is None:
             positions = (cache.positions(t) if cache is not None
@@ -228,7 +242,7 @@ class Transformer(nn.Module):
             mask = attention_mask(causal, self.cfg.num_heads // self.cfg.num_kv_heads, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache, mask)
-        if cache is not None:
+        if cache is not None and not flat:
             cache.advance(t)
         if last_only:
             x = x[:, -1:]

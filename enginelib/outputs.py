@@ -14,27 +14,47 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Times in seconds on the engine's clock (``time.perf_counter``)."""
+    """A request's timing, in one place: seconds on the engine's clock (``time.perf_counter``).
+
+    The scheduler stamps ``first_scheduled_time`` when it admits the request; the
+    engine appends to ``token_times`` when each token comes and sets ``finished_time``.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
     num_preemptions: int = 0
-    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (chapter 9)
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def last_token_time(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
 
     @property
     def time_to_first_token(self) -> float | None:
         """TTFT: from arrival to the first generated token."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return None if not self.token_times else self.token_times[0] - self.arrival_time
 
     @property
     def time_per_output_token(self) -> float | None:
         """TPOT: the mean gap between generated tokens after the first."""
-        if self.num_output_tokens < 2 or self.first_token_time is None:
+        if len(self.token_times) < 2:
             return None
-        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Every gap between consecutive tokens: their tail (p99) is what a streaming reader feels."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
 @dataclass

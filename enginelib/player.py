@@ -17,6 +17,12 @@ into the history) and ``data-step`` (the engine step shown); the frames are in
 ``script[data-enginelib-frames]``; each block is ``[data-block]``; each
 block-table line is ``[data-line]`` (``req 0: [3, 4, 7]``); the controls are
 ``[data-action=back|play|forward]`` and ``[data-role=slider]``.
+
+Prefix caching (chapter 9) adds two looks. A block held by more than one
+request (reference count > 1) gets a thick dark outline and a "×N" badge
+(``[data-role=badge]`` and ``[data-role=badge-label]``, shown only then). A *free but cached* block (no owner,
+but it still holds a hashed full block, kept for reuse until evicted) is grey
+with a dashed outline; its fill bar stays empty, as for any free block.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import html
 import json
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from matplotlib.colors import to_hex
@@ -32,6 +39,8 @@ from .engine import StepRecord
 from .viz import STATE_COLORS, STATE_LABELS, busiest_frame, ink_for, request_color, request_state, sort_ids
 
 FREE_FILL, FREE_EDGE, DARK = "#f2f2f2", "#c4c4c4", "#222222"
+CACHED_FILL, CACHED_EDGE, CACHED_DASH = "#cfcfcf", "#555555", "4 2"  # free, but holding a cached block
+SHARED_WIDTH, OWNED_WIDTH = 4.5, 2.5  # outline of a block held by several requests, by one
 TIMELINE_STATES = ("waiting", "prefill", "decode", "preempted")
 LABEL_WIDTH, ROW, TRACK_WIDTH = 64, 16, 600  # timeline: request labels, px per request, px for all steps
 
@@ -116,13 +125,17 @@ class BlockMapPlayer:
             f'<div style="overflow-x:auto;max-width:100%;margin-top:10px">{self._timeline_svg()}</div>'
             f'<div class="ep-tip" data-role="tooltip"></div>'
             f'<script type="application/json" data-enginelib-frames>{payload}</script>'
-            f'<script>{_JS.replace("%ID%", self.id)}</script></div>')
+            f'<script>{_script(self.id)}</script></div>')
 
     def _step_label(self, index: int) -> str:
         record = self.history[index]
         used = len({b for t in record.block_tables.values() for b in t})
+        refs, hashes = _marks(record)
+        shared = sum(n > 1 for n in refs.values())
+        cached_free = sum(refs.get(b, 0) == 0 for b in hashes)
+        extra = "".join(f", {n} {what}" for n, what in ((shared, "shared"), (cached_free, "free but cached")) if n)
         return (f"step {record.step} ({index + 1}/{len(self.history)}): "
-                f"{used}/{record.num_blocks} blocks in use, {len(record.block_tables)} requests running")
+                f"{used}/{record.num_blocks} blocks in use, {len(record.block_tables)} requests running{extra}")
 
     def _grid(self) -> tuple[int, int]:
         """Columns and the side of one block cell in px (blocks stay >= 26 px: ids in 12 px text)."""
@@ -135,35 +148,50 @@ class BlockMapPlayer:
         rows = -(-n // columns)
         width, height = min(n, columns) * cell, rows * cell
         owners = _owners(record)
+        refs, hashes = _marks(record)
+        badge_w, badge_h = round(side * 0.55), round(side * 0.32)
         parts = [f'<svg data-role="map" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
                  f'xmlns="http://www.w3.org/2000/svg" font-family="sans-serif" role="img" '
                  f'aria-label="block map">']
         for block in range(n):
             y, x = divmod(block, columns)
-            fill, edge, ink, height_px, tip = self._block_look(record, block, owners.get(block, []), side)
+            look = self._block_look(record, block, owners.get(block, []), side, refs, hashes)
+            badge = "inline" if look.refs > 1 else "none"  # drawn always, shown only for a shared block
             parts.append(
                 f'<g data-block="{block}" transform="translate({x * cell + 2},{y * cell + 2})">'
-                f'<rect width="{side}" height="{side}" rx="3" fill="{FREE_FILL}" stroke="{FREE_EDGE}"/>'
-                f'<rect data-role="fill" y="{side - height_px:.1f}" width="{side}" height="{height_px:.1f}" '
-                f'fill="{fill}"/>'
-                f'<rect data-role="edge" width="{side}" height="{side}" rx="3" fill="none" stroke="{edge}" '
-                f'stroke-width="{2.5 if edge != "none" else 0}"/>'
+                f'<rect data-role="bg" width="{side}" height="{side}" rx="3" fill="{look.background}" '
+                f'stroke="{FREE_EDGE}"/>'
+                f'<rect data-role="fill" y="{side - look.height:.1f}" width="{side}" height="{look.height:.1f}" '
+                f'fill="{look.fill}"/>'
+                f'<rect data-role="edge" width="{side}" height="{side}" rx="3" fill="none" stroke="{look.edge}" '
+                f'stroke-width="{look.edge_width}" stroke-dasharray="{look.dash}"/>'
                 f'<text x="{side / 2}" y="{side / 2}" dy="0.35em" text-anchor="middle" font-size="12" '
-                f'font-weight="600" fill="{ink}">{block}</text>'
-                f'<title>{html.escape(tip)}</title></g>')
+                f'font-weight="600" fill="{look.ink}">{block}</text>'
+                f'<rect data-role="badge" x="{side - badge_w}" y="0" width="{badge_w}" height="{badge_h}" rx="2" '
+                f'fill="{DARK}" display="{badge}"/>'
+                f'<text data-role="badge-label" x="{side - badge_w / 2}" y="{badge_h / 2}" dy="0.35em" '
+                f'text-anchor="middle" font-size="{badge_h - 2}" font-weight="700" fill="#ffffff" '
+                f'display="{badge}">×{look.refs}</text>'
+                f'<title>{html.escape(look.tip)}</title></g>')
         parts.append("</svg>")
         return "".join(parts)
 
-    def _block_look(self, record: StepRecord, block: int, owners: list[tuple[str, int]],
-                    side: int) -> tuple[str, str, str, float, str]:
-        """Fill colour, outline, label colour, filled height (px) and tooltip of one block."""
+    def _block_look(self, record: StepRecord, block: int, owners: list[tuple[str, int]], side: int,
+                    refs: dict[int, int], hashes: dict[int, str]) -> "_Look":
+        """How one block is drawn (the script's ``show`` draws the same for every other step)."""
+        count = refs.get(block, len(owners))
+        tip = _tooltip(record, block, owners, count, hashes.get(block))
         if not owners:
-            return "none", "none", DARK, 0.0, _tooltip(record, block, [])
+            if count == 0 and block in hashes:  # kept for reuse until the pool needs the room
+                return _Look(CACHED_FILL, "none", CACHED_EDGE, 1.5, CACHED_DASH, DARK, 0.0, 0, tip)
+            return _Look(FREE_FILL, "none", "none", 0, "none", DARK, 0.0, 0, tip)
         rid, index = owners[0]
         tokens = _tokens(record, rid, index)
         color = to_hex(request_color(rid))
         ink = ink_for(color) if tokens / record.block_size >= 0.5 else DARK  # the id sits mid-block
-        return color, color, ink, side * tokens / record.block_size, _tooltip(record, block, owners)
+        shared = count > 1
+        return _Look(FREE_FILL, color, DARK if shared else color, SHARED_WIDTH if shared else OWNED_WIDTH,
+                     "none", ink, side * tokens / record.block_size, count, tip)
 
     def _legend(self) -> str:
         size = self.history[0].block_size
@@ -171,7 +199,13 @@ class BlockMapPlayer:
                 f'<span class="ep-sw" style="background:{FREE_FILL};border:1px solid {FREE_EDGE}"></span> free block'
                 ' &nbsp; <span class="ep-sw" style="background:linear-gradient(to top,#1f77b4 60%,'
                 f'{FREE_FILL} 60%);border:2px solid #1f77b4"></span> a request\'s block, filled to the share of '
-                f'its {size} slots that hold tokens; colour = request (below)</div>')
+                f'its {size} slots that hold tokens; colour = request (below)<br>'
+                f'<span class="ep-sw" style="background:#1f77b4;border:3px solid {DARK}"></span>'
+                f'<span class="ep-badge">×2</span> shared: held by 2 (or N) requests at once (prefix caching); '
+                f'the colour is its first holder\'s<br>'
+                f'<span class="ep-sw" style="background:{CACHED_FILL};border:1.5px dashed {CACHED_EDGE}"></span> '
+                'free but cached: no request holds it, but its tokens are kept for reuse, until the pool needs '
+                'the room (least recently used first)</div>')
 
     def _tables(self, record: StepRecord) -> str:
         lines = []
@@ -226,6 +260,26 @@ def _per_block(values: Mapping[int, Any] | Sequence[Any] | None) -> dict[str, An
             for b, v in items if v is not None}
 
 
+@dataclass(frozen=True)
+class _Look:
+    background: str   # the block's own square: free, or free but cached
+    fill: str         # the bar filled to the tokens it holds, in its (first) owner's colour
+    edge: str         # outline colour
+    edge_width: float
+    dash: str         # outline dashes ("none": solid)
+    ink: str          # colour of the block id
+    height: float     # px of the fill bar
+    refs: int         # reference count; a "×N" badge when > 1
+    tip: str
+
+
+def _marks(record: StepRecord) -> tuple[dict[int, int], dict[int, str]]:
+    """Reference counts and hashes by block, where the record has them (empty dicts where not)."""
+    refs = _per_block(getattr(record, "ref_counts", None)) or {}
+    hashes = _per_block(getattr(record, "block_hashes", None)) or {}
+    return {int(b): int(n) for b, n in refs.items()}, {int(b): str(h) for b, h in hashes.items()}
+
+
 def _owners(record: StepRecord) -> dict[int, list[tuple[str, int]]]:
     """Block -> [(request id, its index in that request's table)]; shared blocks list every owner."""
     owners: dict[int, list[tuple[str, int]]] = {}
@@ -244,14 +298,20 @@ def _table_line(rid: str, table: Sequence[int]) -> str:
     return f"req {rid}: [{', '.join(map(str, table))}]"
 
 
-def _tooltip(record: StepRecord, block: int, owners: list[tuple[str, int]]) -> str:
-    lines = [f"block {block}" + ("" if owners else ": free")]
+def _tooltip(record: StepRecord, block: int, owners: list[tuple[str, int]], refs: int,
+             block_hash: str | None) -> str:
+    head = f"block {block}"
+    if not owners:
+        head += ": free, but cached (kept for reuse, evictable)" if block_hash is not None and refs == 0 else ": free"
+    elif refs > 1:
+        head += f": shared by {refs} requests"
+    lines = [head]
     lines += [f"req {rid}, logical block {i} of its table, {_tokens(record, rid, i)}/{record.block_size} tokens"
               for rid, i in owners]
-    for name, label in (("ref_counts", "ref count"), ("block_hashes", "hash")):
-        value = (_per_block(getattr(record, name, None)) or {}).get(str(block))
-        if value is not None:
-            lines.append(f"{label}: {value}")
+    if getattr(record, "ref_counts", None):
+        lines.append(f"ref count: {refs}")
+    if block_hash is not None:
+        lines.append(f"hash: {block_hash}")
     return "\n".join(lines)
 
 
@@ -260,6 +320,8 @@ _ROOT_STYLE = ("position:relative;font-family:sans-serif;color:#222;background:#
 
 _CSS = """
 #ID .ep-sw{display:inline-block;width:12px;height:12px;vertical-align:-1px;border-radius:2px}
+#ID .ep-badge{display:inline-block;background:#222;color:#fff;font-size:10px;font-weight:700;
+  padding:0 3px;border-radius:2px;margin:0 4px 0 2px;vertical-align:1px;line-height:13px}
 #ID .ep-line{white-space:normal;overflow-wrap:anywhere;padding-left:1.6em;text-indent:-1.6em}
 #ID .ep-controls button{font-size:14px;padding:2px 10px;margin-right:4px;cursor:pointer}
 #ID .ep-controls input{width:260px;vertical-align:middle}
@@ -274,7 +336,8 @@ _JS = r"""
   if (!root || root.getAttribute("data-live")) return;
   root.setAttribute("data-live", "1");
   var data = JSON.parse(root.querySelector("script[data-enginelib-frames]").textContent);
-  var size = data.block_size, frames = data.frames, N = frames.length, FREE = "#f2f2f2", DARK = "#222222";
+  var size = data.block_size, frames = data.frames, N = frames.length, FREE = "%FREE%", DARK = "%DARK%";
+  var CACHED = "%CACHED%", CACHED_EDGE = "%CACHED_EDGE%", DASH = "%DASH%";
   var req = {};
   data.requests.forEach(function (r) { req[r.id] = r; });
   var blocks = Array.prototype.slice.call(root.querySelectorAll("[data-block]"));
@@ -293,31 +356,50 @@ _JS = r"""
   }
   function show(i) {
     current = i = Math.max(0, Math.min(N - 1, i));
-    var f = frames[i], owners = {}, used = 0, running = 0;
+    var f = frames[i], owners = {}, used = 0, running = 0, shared = 0, cachedFree = 0;
     data.requests.forEach(function (r) {
       (f.block_tables[r.id] || []).forEach(function (b, j) { (owners[b] = owners[b] || []).push([r.id, j]); });
     });
     blocks.forEach(function (g) {
       var b = +g.getAttribute("data-block"), own = owners[b] || [], side = +g.querySelector("rect").getAttribute("width");
       var fill = g.querySelector("[data-role=fill]"), edge = g.querySelector("[data-role=edge]");
-      var text = g.querySelector("text"), lines = ["block " + b + (own.length ? "" : ": free")];
+      var bg = g.querySelector("[data-role=bg]"), badge = g.querySelector("[data-role=badge]");
+      var text = g.querySelector("text"), hash = f.block_hashes ? f.block_hashes[b] : undefined;
+      var refs = f.ref_counts && f.ref_counts[b] !== undefined ? f.ref_counts[b] : own.length;
+      var head = "block " + b;
+      bg.setAttribute("fill", FREE); edge.setAttribute("stroke-dasharray", "none");
+      var badgeLabel = g.querySelector("[data-role=badge-label]"), showBadge = refs > 1 && own.length;
+      badge.setAttribute("display", showBadge ? "inline" : "none");
+      badgeLabel.setAttribute("display", showBadge ? "inline" : "none");
       if (own.length) {
         used++;
         var r = req[own[0][0]], share = tokens(f, own[0][0], own[0][1]) / size;
         fill.setAttribute("fill", r.color); fill.setAttribute("y", side * (1 - share));
         fill.setAttribute("height", side * share);
-        edge.setAttribute("stroke", r.color); edge.setAttribute("stroke-width", 2.5);
+        edge.setAttribute("stroke", refs > 1 ? DARK : r.color);
+        edge.setAttribute("stroke-width", refs > 1 ? %SHARED_WIDTH% : %OWNED_WIDTH%);
         text.setAttribute("fill", share >= 0.5 ? r.ink : DARK);
+        if (refs > 1) {
+          shared++; head += ": shared by " + refs + " requests";
+          badgeLabel.textContent = "\u00D7" + refs;
+        }
       } else {
-        fill.setAttribute("height", 0); edge.setAttribute("stroke", "none"); edge.setAttribute("stroke-width", 0);
-        text.setAttribute("fill", DARK);
+        fill.setAttribute("height", 0); fill.setAttribute("fill", "none"); text.setAttribute("fill", DARK);
+        if (refs === 0 && hash !== undefined) {
+          cachedFree++; head += ": free, but cached (kept for reuse, evictable)";
+          bg.setAttribute("fill", CACHED); edge.setAttribute("stroke", CACHED_EDGE);
+          edge.setAttribute("stroke-width", 1.5); edge.setAttribute("stroke-dasharray", DASH);
+        } else {
+          head += ": free"; edge.setAttribute("stroke", "none"); edge.setAttribute("stroke-width", 0);
+        }
       }
+      var lines = [head];
       own.forEach(function (o) {
         lines.push("req " + o[0] + ", logical block " + o[1] + " of its table, " + tokens(f, o[0], o[1]) + "/" +
                    size + " tokens");
       });
-      if (f.ref_counts && f.ref_counts[b] !== undefined) lines.push("ref count: " + f.ref_counts[b]);
-      if (f.block_hashes && f.block_hashes[b] !== undefined) lines.push("hash: " + f.block_hashes[b]);
+      if (f.ref_counts) lines.push("ref count: " + refs);
+      if (hash !== undefined) lines.push("hash: " + hash);
       tips[b] = lines.join("\n");
     });
     tables.textContent = "";
@@ -335,7 +417,8 @@ _JS = r"""
     });
     if (!running) tables.appendChild(el("div", "(no request running)", "color:#666"));
     label.textContent = "step " + f.step + " (" + (i + 1) + "/" + N + "): " + used + "/" + data.num_blocks +
-      " blocks in use, " + running + " requests running";
+      " blocks in use, " + running + " requests running" + (shared ? ", " + shared + " shared" : "") +
+      (cachedFree ? ", " + cachedFree + " free but cached" : "");
     cursor.setAttribute("x", left + i * stepWidth);
     slider.value = i;
     root.setAttribute("data-frame", i); root.setAttribute("data-step", f.step);
@@ -366,5 +449,18 @@ _JS = r"""
   show(current);
 })();
 """
+
+
+
+def _script(player_id: str) -> str:
+    """The script, with the player's id and the same colours and widths as the Python drawing."""
+    values = {"%ID%": player_id, "%FREE%": FREE_FILL, "%DARK%": DARK, "%CACHED%": CACHED_FILL,
+              "%CACHED_EDGE%": CACHED_EDGE, "%DASH%": CACHED_DASH, "%SHARED_WIDTH%": str(SHARED_WIDTH),
+              "%OWNED_WIDTH%": str(OWNED_WIDTH)}
+    script = _JS
+    for key, value in values.items():
+        script = script.replace(key, value)
+    return script
+
 
 __all__ = ["BlockMapPlayer"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .sampling import SamplingParams
+from .outputs import RequestMetrics
+from .params import SamplingParams
 
 
 class RequestStatus(str, Enum):
@@ -22,20 +23,25 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
-    arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
-    num_computed_tokens: int = 0      # tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0      # tokens whose K/V are in the cache (or found in the prefix cache)
+    block_table: list[int] = field(default_factory=list)  # written by the KVCacheManager only
+    block_hashes: list[int] = field(default_factory=list)  # of its full blocks, for the prefix cache
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finish_time: float | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start..stop`` of prompt + output, without building the whole list (a decode asks for one)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:stop] + self.output_token_ids[:max(0, stop - n)]
 
     @property
     def num_tokens(self) -> int:

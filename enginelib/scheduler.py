@@ -1,25 +1,34 @@
 """The scheduler: each step, which requests run and how many tokens each computes.
 
-It decides by free memory: a waiting request is admitted only when blocks for
-its tokens are free; running requests that need a new block take it, and when
-none is left the most recently admitted request is *preempted by recompute*
-(its blocks freed, itself sent back to the front of the queue). It never
-touches tensors: the engine turns its decisions into a batch.
+It decides by free memory and a token budget. Running requests go first: each
+decode takes one token; with chunked prefill (chapter 10), a prompt too long
+for what is left of the budget computes a chunk now and the rest in later
+steps, while the others keep decoding. Waiting requests are admitted in order
+while their blocks and tokens fit. When a running request needs a block and
+none is free, the most recently admitted request is *preempted by recompute*
+(its blocks freed, itself sent back to the front of the queue).
+
+Blocks are the :class:`KVCacheManager`'s business; the scheduler only asks for
+them. It never touches tensors (this module does not even import the tensor
+library): the engine turns its decisions into a batch.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
+from .kv_manager import KVCacheManager
+from .params import finish_reason
 from .request import Request, RequestStatus
-from .sampling import finish_reason
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 32             # requests running at once
+    max_num_seqs: int = 32              # requests running at once
     max_num_batched_tokens: int = 2048  # tokens computed in one step (the token budget)
+    enable_chunked_prefill: bool = True  # split prompts longer than what is left of the budget
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -32,13 +41,15 @@ class SchedulerConfig:
 @dataclass
 class ScheduledWork:
     request: Request
-    num_tokens: int  # tokens computed for it this step: its whole prefill, or 1 to decode
-    is_prefill: bool
+    num_tokens: int   # tokens computed for it this step: a prefill (or a chunk of one), or 1 to decode
+    is_prefill: bool  # computing its prompt (or recomputing after a preemption), not decoding
+    start: int = 0    # position of the first of them: the tokens before it are in the cache
+    samples: bool = True  # they reach the end of what it has, so a new token is sampled
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan: decodes first, then newly admitted prefills; and who was preempted."""
+    """One step's plan: running requests first, then newly admitted ones; and who was preempted."""
 
     scheduled: list[ScheduledWork] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -53,14 +64,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Waiting and running queues over a :class:`BlockPool`."""
+    """Waiting and running queues; blocks through a :class:`KVCacheManager`."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, eos_token_id: int | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | BlockPool,
+                 eos_token_id: int | None = None) -> None:
         self.config = config
-        self.pool = pool
+        self.kv = kv if isinstance(kv, KVCacheManager) else KVCacheManager(kv, enable_prefix_caching=False)
         self.eos_token_id = eos_token_id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.kv.pool
 
     def check_fits(self, request: Request) -> None:
         """Refuse a request that could never run, whatever else is going on."""
@@ -70,11 +86,11 @@ class Scheduler:
                 f"request {request.request_id} needs {need} blocks for its prompt ({len(request.prompt_token_ids)} "
                 f"tokens) plus max_tokens ({request.params.max_tokens}), but the whole pool has "
                 f"{self.pool.num_blocks}: give the KV cache more memory (num_blocks) or lower max_tokens")
-        if request.max_total_tokens > self.config.max_num_batched_tokens:
+        if not self.config.enable_chunked_prefill and request.max_total_tokens > self.config.max_num_batched_tokens:
             raise ValueError(
                 f"request {request.request_id} may need {request.max_total_tokens} tokens in one prefill "
                 f"(after a preemption), more than max_num_batched_tokens={self.config.max_num_batched_tokens}: "
-                f"raise max_num_batched_tokens or shorten the request")
+                f"enable chunked prefill, raise max_num_batched_tokens or shorten the request")
 
     def add(self, request: Request) -> None:
         self.check_fits(request)
@@ -87,58 +103,85 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        # 1. Running requests decode one token each, oldest first, taking a new block when theirs is full.
+        # 1. Running requests, oldest first. A decode takes one token; a prompt still being prefilled takes
+        #    a chunk of what the budget has left after the decodes still to come, so decodes always run.
+        decodes_left = sum(map(_decodes, self.running))
         i = 0
         while i < len(self.running):
             request = self.running[i]
-            need = self.pool.blocks_for(request.num_tokens) - len(request.block_table)
-            while need > self.pool.num_free:
+            is_decode = _decodes(request)
+            decodes_left -= is_decode
+            num_new = 1 if is_decode else min(request.num_uncomputed_tokens, budget - decodes_left)
+            if num_new < 1:
+                i += 1
+                continue  # no room for a chunk this step; it keeps its blocks and goes on next step
+            while not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
+                decodes_left -= victim is not request and _decodes(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break  # it preempted itself: everyone after it is gone too
-            request.block_table += self.pool.allocate(need)
-            out.scheduled.append(ScheduledWork(request, request.num_uncomputed_tokens, is_prefill=False))
-            budget -= request.num_uncomputed_tokens
+            out.scheduled.append(self._work(request, num_new, is_prefill=not is_decode))
+            budget -= num_new
             i += 1
-        # 2. Admit waiting requests in order while their blocks and tokens fit (not in a step that preempted).
+        # 2. Admit waiting requests in order while blocks and tokens fit (not in a step that preempted).
+        #    A cached prefix counts as computed; without chunking the rest must fit the budget whole.
         while self.waiting and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            need = self.pool.blocks_for(request.num_tokens)
-            if request.num_uncomputed_tokens > budget or not self.pool.can_allocate(need):
+            cached = self.kv.find_cached_prefix(request)
+            num_new = request.num_tokens - len(cached) * self.pool.block_size
+            if self.config.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            if num_new < 1 or num_new > budget or not self.kv.allocate_slots(request, num_new, cached):
                 break
             self.waiting.popleft()
-            request.block_table = self.pool.allocate(need)
             request.status = RequestStatus.RUNNING
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.perf_counter()
             self.running.append(request)
-            out.scheduled.append(ScheduledWork(request, request.num_uncomputed_tokens, is_prefill=True))
-            budget -= request.num_uncomputed_tokens
+            out.scheduled.append(self._work(request, num_new, is_prefill=True))
+            budget -= num_new
         return out
+
+    @staticmethod
+    def _work(request: Request, num_tokens: int, is_prefill: bool) -> ScheduledWork:
+        """Called after the request's blocks are allocated (``num_computed_tokens`` counts any cached prefix)."""
+        start = request.num_computed_tokens
+        return ScheduledWork(request, num_tokens, is_prefill, start, samples=start + num_tokens == request.num_tokens)
 
     def _preempt(self, request: Request) -> None:
         """Free all its blocks and send it to the front of the queue; its tokens so far are kept."""
         self.running.remove(request)
-        self.pool.free(request.block_table)
-        request.block_table = []
+        self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        request.metrics.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
-        """Append each scheduled request's new token; finish those that stop. Returns the finished."""
+        """Count each scheduled request's computed tokens and append a new token to those that sampled one.
+
+        ``tokens`` holds one token per work that ``samples``, in order. Returns the requests that finished.
+        """
         finished = []
-        for work, token in zip(out.scheduled, tokens, strict=True):
+        sampled = iter(tokens)
+        for work in out.scheduled:
             request = work.request
             request.num_computed_tokens += work.num_tokens
+            if not work.samples:
+                continue  # a chunk of a prefill: no token until its last chunk
+            token = next(sampled)
             request.output_token_ids.append(token)
             reason = finish_reason(token, len(request.output_token_ids), request.params, self.eos_token_id)
             if reason:
                 self.finish(request, reason)
                 finished.append(request)
+        if next(sampled, None) is not None:
+            raise ValueError("more sampled tokens than scheduled requests that sample")
         return finished
 
     def finish(self, request: Request, reason: str) -> None:
@@ -149,8 +192,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.pool.free(request.block_table)
-        request.block_table = []
+        self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -159,3 +201,8 @@ class Scheduler:
             if request.request_id == request_id:
                 return request
         raise ValueError(f"no unfinished request with id {request_id!r}")
+
+
+def _decodes(request: Request) -> bool:
+    """Its prompt is computed and one token is left: a decode (a prompt's 1-token last chunk is a prefill)."""
+    return request.num_uncomputed_tokens == 1 and request.num_computed_tokens >= len(request.prompt_token_ids)

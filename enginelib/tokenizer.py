@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -131,3 +132,45 @@ class Tokenizer:
         return cls(backend, eos_token_id=eos, bos_token_id=token_id("bos_token"),
                    chat_template=config.get("chat_template"),
                    add_bos=bool(config.get("add_bos_token", False)))
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """A growing token list's text, decoding only a small window per new token.
+
+    Decoding the whole output at every step costs O(n) per token, O(n^2) per
+    request. As vLLM's incremental detokenizer does, keep two offsets: text up to
+    ``read_offset`` is final; each step decodes ``ids[prefix_offset:]`` and
+    ``ids[prefix_offset:read_offset]`` and keeps what the first adds to the
+    second. Decoding from ``prefix_offset`` rather than ``read_offset`` gives
+    the tokenizer the left context it needs (a SentencePiece decoder drops the
+    space of a word that starts the text). A window that ends in a partial
+    UTF-8 character (U+FFFD) waits for the next token.
+    """
+
+    tokenizer: Tokenizer
+    skip_special_tokens: bool = True
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def step(self, ids: list[int]) -> str:
+        """Bring ``text`` up to date with ``ids`` (the same list, grown); return the new characters."""
+        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
+        window = self._decode(ids[self.prefix_offset:])
+        if len(window) <= len(prefix) or window.endswith("\ufffd"):
+            return ""
+        new = window[len(prefix):]
+        self.text += new
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return new
+
+    def flush(self, ids: list[int]) -> str:
+        """At the end: add whatever is still held back (a trailing partial character decodes as U+FFFD)."""
+        new = self._decode(ids[self.prefix_offset:])[len(self._decode(ids[self.prefix_offset:self.read_offset])):]
+        self.text += new
+        self.prefix_offset = self.read_offset = len(ids)
+        return new

@@ -9,7 +9,7 @@ live explorer (``explorer.EngineExplorer``, ipywidgets) build on these.
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -320,6 +320,143 @@ def plot_engine_step(history: Sequence[StepRecord], index: int, *, title: str | 
     _draw_segments(bottom, segments, [f"req {rid}" for rid in ids])
     bottom.axvspan(record.step, record.step + 1, facecolor="none", edgecolor="black", linewidth=1.5)
     bottom.set_xlabel(f"engine step (the box marks step {record.step})")
+    return fig
+
+
+# --- Part III: chunked prefill (chapter 10) -------------------------------------------------
+
+@dataclass(frozen=True)
+class StepMix:
+    """Per recorded step: its number and the tokens it computed for prefills (or chunks of one) and decodes."""
+
+    steps: list[int]
+    prefill: list[int]
+    decode: list[int]
+
+    @property
+    def total(self) -> list[int]:
+        return [p + d for p, d in zip(self.prefill, self.decode)]
+
+
+def step_mix(history: Sequence[StepRecord]) -> StepMix:
+    """Split each step's tokens into prefill and decode work, as ``StepRecord.prefill`` says."""
+    if not history:
+        raise ValueError("no steps recorded: create the engine with EngineConfig(record=True)")
+    return StepMix([r.step for r in history],
+                   [sum(n for rid, n in r.scheduled.items() if rid in r.prefill) for r in history],
+                   [sum(n for rid, n in r.scheduled.items() if rid not in r.prefill) for r in history])
+
+
+def plot_step_mix(history: Sequence[StepRecord], budget: int | None = None, ax: Axes | None = None, *,
+                  title: str | None = None) -> Figure:
+    """Stacked bars per step: decode tokens at the bottom, prefill (or prefill-chunk) tokens on top.
+
+    A step's cost grows with its tokens, so this is also a picture of how long
+    each step takes: one tall bar is one long stall for every running request.
+    ``budget`` (the scheduler's ``max_num_batched_tokens``) is drawn as a dashed line.
+    Decodes go at the bottom so that a few of them stay visible under a tall prefill.
+    """
+    mix = step_mix(history)
+    fig, ax = _figure_and_axes(ax, figsize=(9, 3.2))
+    ax.bar(mix.steps, mix.decode, width=0.85, color=STATE_COLORS["decode"], label="decode tokens (1 per request)")
+    ax.bar(mix.steps, mix.prefill, width=0.85, bottom=mix.decode, color=STATE_COLORS["prefill"],
+           label="prefill tokens (a prompt or a chunk of one)")
+    if budget is not None:
+        if budget < 1:
+            raise ValueError(f"budget must be a positive number of tokens, got {budget}")
+        ax.axhline(budget, color="#222222", linestyle="--", linewidth=1.2, label=f"token budget ({budget})")
+    ax.set_xlim(min(mix.steps) - 0.7, max(mix.steps) + 0.7)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("tokens computed in the step")
+    ax.set_title(title or "What each step computed")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    return fig
+
+
+def token_gaps(token_times: Mapping[str, Sequence[float]], start: float | None = None
+               ) -> dict[str, tuple[list[float], list[float]]]:
+    """Per request: the time of each token after its first (seconds after ``start``) and its gap to the previous one.
+
+    ``start`` defaults to the earliest token time, so the picture begins at 0.
+    Requests with fewer than two tokens have no gap and are left out.
+    """
+    if start is None:
+        firsts = [times[0] for times in token_times.values() if times]
+        if not firsts:
+            raise ValueError("no token times given: pass {request_id: metrics.token_times} "
+                             "of requests that produced tokens")
+        start = min(firsts)
+    gaps = {}
+    for rid, times in token_times.items():
+        if any(b < a for a, b in zip(times, times[1:])):
+            raise ValueError(f"request {rid}'s token times go backwards: pass them in the order they were produced")
+        if len(times) > 1:
+            gaps[rid] = ([t - start for t in times[1:]], [b - a for a, b in zip(times, times[1:])])
+    return gaps
+
+
+def plot_token_gaps(token_times: Mapping[str, Sequence[float]], ax: Axes | None = None, *,
+                    start: float | None = None, marks: Mapping[str, float] | None = None,
+                    title: str | None = None) -> Figure:
+    """Each request's wait for its next token (ms), drawn over the time it waited.
+
+    This is what a streaming reader feels: a low flat line is a steady stream,
+    a tall step is a freeze, as wide as it lasted. ``token_times`` maps request
+    ids to their token times (``RequestMetrics.token_times``); ``marks`` names
+    moments to draw as vertical lines (absolute times, like the token times).
+    Requests that decode in the same steps wait the same: their lines coincide,
+    so each is drawn a little thinner than the one before, and all stay visible.
+    """
+    gaps = token_gaps(token_times, start)
+    start = start if start is not None else min(times[0] for times in token_times.values() if times)
+    fig, ax = _figure_and_axes(ax, figsize=(9, 3.2))
+    ids = sort_ids(gaps)
+    for k, rid in enumerate(ids):
+        at, gap = gaps[rid]
+        edges = [at[0] - gap[0], *at]  # the gap to token i spans [time of token i-1, time of token i]
+        ax.plot(edges, [1e3 * g for g in (*gap, gap[-1])], drawstyle="steps-post", color=request_color(rid),
+                linewidth=1.0 + 2.5 * (len(ids) - 1 - k) / max(1, len(ids) - 1), label=f"req {rid}")
+    for (label, when), style in zip((marks or {}).items(), ["--", ":", "-."] * 4):
+        ax.axvline(when - start, color="#222222", linestyle=style, linewidth=1.2, label=label)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("time since the first token (s)")
+    ax.set_ylabel("wait for the\nnext token (ms)")
+    ax.set_title(title or "How long each request waited for each token")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    return fig
+
+
+def plot_budget_tradeoff(budgets: Sequence[int], ttft: Sequence[float], tpot_p99: Sequence[float],
+                         ax: Axes | None = None, *, unchunked: tuple[float, float] | None = None,
+                         title: str | None = None) -> Figure:
+    """The token budget's trade-off: the long request's TTFT against the others' p99 inter-token gap.
+
+    One point per budget (seconds in, milliseconds and seconds drawn), joined in
+    budget order and labelled; ``unchunked`` is the ``(ttft, tpot_p99)`` point of
+    the run without chunking. Lower left is better on both counts, and no
+    budget gets there: a smaller one keeps decodes steady but delays the long
+    prompt's first token.
+    """
+    if not budgets or not len(budgets) == len(ttft) == len(tpot_p99):
+        raise ValueError(f"give one ttft and one tpot_p99 per budget: got {len(budgets)} budgets, "
+                         f"{len(ttft)} ttft and {len(tpot_p99)} tpot_p99 values")
+    order = sorted(range(len(budgets)), key=lambda i: budgets[i])
+    xs, ys = [1e3 * tpot_p99[i] for i in order], [ttft[i] for i in order]
+    fig, ax = _figure_and_axes(ax, figsize=(7, 4.2))
+    ax.plot(xs, ys, marker="o", color=STATE_COLORS["decode"], label="chunked prefill, by token budget")
+    for i, x, y in zip(order, xs, ys):
+        ax.annotate(f"{budgets[i]}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9)
+    if unchunked is not None:
+        ax.plot([1e3 * unchunked[1]], [unchunked[0]], marker="s", linestyle="none", markersize=8,
+                color=STATE_COLORS["preempted"], label="no chunking")
+    every_x = xs + ([1e3 * unchunked[1]] if unchunked is not None else [])
+    every_y = ys + ([unchunked[0]] if unchunked is not None else [])
+    ax.set_xlim(0, 1.1 * max(every_x))  # room for the labels, right of and above the points
+    ax.set_ylim(0, 1.12 * max(every_y))
+    ax.set_xlabel("others' p99 gap between tokens (ms)  (left: steadier streams)")
+    ax.set_ylabel("long prompt's time to first token (s)\n(down: sooner)")
+    ax.set_title(title or "The token budget trades the long prompt's TTFT for the others' decode latency")
+    ax.legend(loc="upper right", fontsize=8)
     return fig
 
 

@@ -8,12 +8,16 @@ which also tallies identical vs near-tie requests for the session's summary.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import enginelib
 from enginelib.checks import Agreement, check_greedy
+from enginelib.device import default_dtype
 from enginelib.model import ModelConfig, Transformer
+from enginelib.tokenizer import Tokenizer
 
 enginelib.set_threads()
 
@@ -63,6 +67,22 @@ def tiny() -> Transformer:
     for p in model.parameters():  # random norms too, so a mix-up of weights shows
         torch.nn.init.normal_(p, std=0.2)
     return model.eval().requires_grad_(False)
+
+
+@pytest.fixture
+def tiny_dt(tiny):
+    """The tiny model in the default dtype ($ENGINELIB_DTYPE), for the engine; ``tiny`` stays float32."""
+    return copy.deepcopy(tiny).to(default_dtype())
+
+
+def tiny_tokenizer(vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer "t0 t1 ..." for the tiny model; the last id is EOS."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    backend = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, eos_token_id=vocab_size - 1)
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from enginelib import Engine, EngineConfig, SamplingParams, bench
+from enginelib import Engine, EngineConfig, SamplingParams, SchedulerConfig, bench
 
 SCHEMA = [
     "systems.engine.tok_per_s", "systems.engine.ttft_p50_s", "systems.engine.tpot_p50_s",
@@ -13,6 +13,7 @@ SCHEMA = [
     "ratios.engine_vs_hf_static", "ratios.single_stream_vs_hf", "single_stream_roofline_frac",
     "mfu_decode_b32", "kv_waste.paged", "kv_waste.contiguous", "concurrency_ratio",
     "machine.torch", "machine.threads", "machine.device", "machine.dtype",
+    "prefix_cache.ttft_ratio", "prefix_cache.hit_rate", "chunked_prefill.tpot_p99_ratio",
 ]
 
 
@@ -34,13 +35,17 @@ def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
     assert 0 < report["kv_waste"]["paged"] < report["kv_waste"]["contiguous"] < 1
     assert report["concurrency_ratio"] > 1
     assert "differs" not in report["systems"]["engine"]["note"], "the engine must match the kv_cache oracle"
+    assert report["prefix_cache"]["hit_rate"] > 0.5  # 12 requests behind one long system prompt
+    assert 0 < report["prefix_cache"]["ttft_ratio"] and 0 < report["chunked_prefill"]["tpot_p99_ratio"]
+    for section in ("prefix_cache", "chunked_prefill"):  # on and off must give the same tokens
+        assert "differs" not in report[section]["note"], report[section]["note"]
 
 
 def test_workloads_are_deterministic(real):
     _, tok = real
     for name in bench.WORKLOADS:
         a, b = bench.make_workload(name, tok, quick=True), bench.make_workload(name, tok, quick=True)
-        assert a == b and len(a.requests) >= 12
+        assert a == b and len(a.requests) >= 8
     seed = bench.make_workload("seed", tok)
     assert len(seed.requests) == 34 and {r.max_tokens for r in seed.requests} == {128}
     assert sum(r.arrival_step == 5 for r in seed.requests) == 6
@@ -48,7 +53,7 @@ def test_workloads_are_deterministic(real):
 
 def test_the_step_profile_splits_the_forward_pass_without_losing_time(real):
     model, tok = real
-    engine = Engine(model, tok, EngineConfig(max_num_seqs=4))
+    engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4)))
     for question in bench.QUESTIONS[:4]:
         engine.add_request(bench._chat(tok, question), SamplingParams(max_tokens=6, ignore_eos=True))
     engine.step()  # the prefills

@@ -193,10 +193,14 @@ def _stop_across_a_token_edge(tok, token_ids: list[int]) -> str:
 def _stream_with_stop(engine: Engine, tok, questions: list[str]) -> dict[str, str]:
     """Stream the questions, each with a stop string cut from its own greedy answer; check every delta."""
     params = {}
-    answers = LLM.from_model(engine.model, tok).generate([chat_ids(tok, q) for q in questions], GREEDY)
+    llm = LLM.from_model(engine.model, tok)
+    answers = llm.generate([chat_ids(tok, q) for q in questions], GREEDY)
     for q, answer in zip(questions, answers):
         stop = _stop_across_a_token_edge(tok, answer.outputs[0].token_ids)
         params[engine.add_request(chat_ids(tok, q), SamplingParams(temperature=0, max_tokens=40, stop=[stop]))] = q
+    finals = {rid: out.outputs[0].text for rid, out in  # the same requests, not streamed: the final texts
+              zip(params, llm.generate([chat_ids(tok, q) for q in params.values()],
+                                       [engine.request(rid).params for rid in params]))}
     pieces, reasons = {rid: "" for rid in params}, {}
     history = {rid: [] for rid in params}
     for delta in engine.stream():
@@ -205,7 +209,7 @@ def _stream_with_stop(engine: Engine, tok, questions: list[str]) -> dict[str, st
         if delta.finished:
             reasons[delta.request_id] = delta.finish_reason
     for rid in params:
-        final = engine._tracked[rid].text
+        final = finals[rid]
         assert pieces[rid] == final
         assert all(final.startswith(sent) for sent in history[rid]), "a delta ran past the final text"
     assert engine.pool.num_used == 0

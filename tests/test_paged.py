@@ -2,13 +2,10 @@
 block pool keeps its books straight under any schedule of arrivals and aborts."""
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 
 from enginelib.baselines import generate_cached
 from enginelib.batch import Batch, SequenceWork
@@ -19,8 +16,10 @@ from enginelib.engine import Engine, EngineConfig
 from enginelib.kv_cache import PagedKVCache
 from enginelib.model import ModelConfig, attention
 from enginelib.request import RequestStatus
+from enginelib.scheduler import SchedulerConfig
 from enginelib.sampling import SamplingParams
-from enginelib.tokenizer import Tokenizer
+
+from .conftest import tiny_tokenizer
 
 
 def test_block_pool_allocates_shares_and_frees():
@@ -37,12 +36,6 @@ def test_block_pool_allocates_shares_and_frees():
         pool.free(a[:1])
     assert pool.num_free == 4 and pool.high_water == 3
     pool.check()
-
-
-@pytest.fixture
-def tiny_dt(tiny):
-    """The tiny model in the default dtype ($ENGINELIB_DTYPE), for the engine; ``tiny`` stays float32."""
-    return copy.deepcopy(tiny).to(default_dtype())
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 4, 16])
@@ -89,82 +82,9 @@ def test_batch_slot_mapping_follows_the_block_table():
         Batch.build([SequenceWork([1] * 5, 4, [0, 1])], block_size=4)
 
 
-def tiny_tokenizer(vocab_size: int) -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    backend = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return Tokenizer(backend, eos_token_id=vocab_size - 1)
-
-
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 12), st.integers(1, 12), st.booleans()),  # prompt, max_tokens, ignore_eos
-    st.tuples(st.just("abort"), st.integers(0, 100), st.just(0), st.just(False)),
-    st.tuples(st.just("step"), st.integers(1, 3), st.just(0), st.just(False)),
-), min_size=6, max_size=30)
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=ops, num_blocks=st.integers(6, 30), block_size=st.sampled_from([1, 2, 4]),
-       max_num_seqs=st.integers(1, 6), seed=st.integers(0, 1000))
-def test_random_schedules_keep_the_pool_consistent_and_outputs_exact(tiny, tiny_dt, ops, num_blocks, block_size,
-                                                                     max_num_seqs, seed):
-    tok = tiny_tokenizer(tiny.cfg.vocab_size)
-    engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=num_blocks, block_size=block_size,
-                                            max_num_seqs=max_num_seqs, max_num_batched_tokens=64))
-    rng = random.Random(seed)
-    added, aborted = {}, set()
-
-    def check_pool():
-        owners = {r.request_id: r.block_table for r in engine.scheduler.running}
-        engine.pool.check(owners)
-        assert all(not r.block_table for r in engine.scheduler.waiting)
-
-    def step():
-        engine.step()
-        check_pool()
-
-    for op, a, b, ignore_eos in ops:
-        if op == "add":
-            prompt = [rng.randrange(tiny.cfg.vocab_size) for _ in range(a)]
-            params = SamplingParams(temperature=0, max_tokens=b, ignore_eos=ignore_eos)
-            try:
-                added[engine.add_request(prompt, params)] = (prompt, params)
-            except ValueError as err:
-                assert "whole pool" in str(err) or "max_num_batched_tokens" in str(err)
-        elif op == "abort":
-            live = [r.request_id for r in (*engine.scheduler.running, *engine.scheduler.waiting)]
-            if live:
-                rid = live[a % len(live)]
-                engine.abort(rid)
-                aborted.add(rid)
-                check_pool()
-        else:
-            for _ in range(a):
-                step()
-    for _ in range(2000):
-        if not engine.has_unfinished_requests():
-            break
-        step()
-    assert not engine.has_unfinished_requests(), "the engine stalled"
-    event(f"preemptions: {min(engine.stats().preemptions, 3)}+")
-    assert engine.pool.num_used == 0, "blocks leaked"
-    for rid, (prompt, params) in added.items():
-        req = engine.request(rid)
-        assert req.status is RequestStatus.FINISHED
-        if rid in aborted:
-            assert req.finish_reason == "abort"
-            continue
-        assert req.finish_reason in ("stop", "length")
-        assert len(req.output_token_ids) <= params.max_tokens
-        expected = generate_cached(tiny_dt, prompt, params, tok.eos_token_id)
-        check_greedy(tiny_dt, [prompt], [req.output_token_ids], [expected.token_ids], reference=tiny)
-
-
 def test_a_tiny_pool_forces_preemption_and_outputs_stay_exact(tiny, tiny_dt):
     tok = tiny_tokenizer(tiny.cfg.vocab_size)
-    engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=8, block_size=2, max_num_seqs=4))
+    engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=8, block_size=2, scheduler=SchedulerConfig(max_num_seqs=4)))
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = {engine.add_request(p, params): p for p in

@@ -14,14 +14,15 @@ from enginelib.sampling import SamplingParams
 from enginelib.viz import busiest_frame, request_color
 
 
-def run_tiny_engine(model, num_blocks: int = 10, block_size: int = 4) -> Engine:
-    """A few requests arriving over time in a pool small enough that some get preempted."""
-    from tests.test_paged import tiny_tokenizer
+def run_tiny_engine(model, num_blocks: int = 10, block_size: int = 4, arrivals: dict | None = None,
+                    max_tokens: int = 9) -> Engine:
+    """Requests arriving over time (by default a few, in a pool small enough that some get preempted)."""
+    from tests.conftest import tiny_tokenizer
 
     engine = Engine(model, tiny_tokenizer(model.cfg.vocab_size),
                     EngineConfig(num_blocks=num_blocks, block_size=block_size, record=True))
-    arrivals = {0: ["t1 t2 t3 t4 t5", "t6 t7"], 2: ["t3 t3 t3 t3 t3 t3 t3"], 4: ["t9 t8"]}
-    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    arrivals = arrivals or {0: ["t1 t2 t3 t4 t5", "t6 t7"], 2: ["t3 t3 t3 t3 t3 t3 t3"], 4: ["t9 t8"]}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     step = 0
     while engine.has_unfinished_requests() or step <= max(arrivals):
         for prompt in arrivals.get(step, []):
@@ -55,7 +56,8 @@ def test_frames_are_the_engine_history(engine):
         assert frame["states"] == record.states
         assert frame["scheduled"] == record.scheduled
         assert set(frame["prefill"]) == record.prefill and frame["preempted"] == list(record.preempted)
-        assert "ref_counts" not in frame and "block_hashes" not in frame
+        assert frame["ref_counts"] == {str(b): n for b, n in enumerate(record.ref_counts)}
+        assert frame["block_hashes"] == {str(b): h for b, h in record.block_hashes.items()}
     assert [r["id"] for r in data["requests"]] == ["0", "1", "2", "3"]
 
 
@@ -132,7 +134,7 @@ def test_ref_counts_and_hashes_slot_in_when_recorded():
 
 
 def test_clear_errors(tiny):
-    from tests.test_paged import tiny_tokenizer
+    from tests.conftest import tiny_tokenizer
 
     with pytest.raises(ValueError, match="record=True"):
         BlockMapPlayer([])
@@ -148,3 +150,58 @@ def test_clear_errors(tiny):
         BlockMapPlayer([record], start=3)
     with pytest.raises(ValueError, match="one pool"):
         BlockMapPlayer([record, StepRecord(1, 0.0, {}, frozenset(), (), {}, {}, {}, 8, 4)])
+
+
+def run_shared_prefix_engine(model) -> Engine:
+    """Requests that share an 8-token prefix (two blocks of 4), the later ones arriving while the first runs."""
+    prefix = "t1 t2 t3 t4 t5 t6 t7 t8"
+    return run_tiny_engine(model, 16, 4, {0: [prefix + " t9"], 2: [prefix + " t10 t11", prefix + " t12"]},
+                           max_tokens=5)
+
+
+def test_shared_and_cached_free_blocks_are_marked(tiny):
+    engine = run_shared_prefix_engine(tiny)
+    history = engine.history
+    # a step where the three requests hold the prefix's two blocks at once
+    at = next(i for i, r in enumerate(history) if r.ref_counts and max(r.ref_counts) == 3)
+    record = history[at]
+    shared = sorted(b for b, n in enumerate(record.ref_counts) if n == 3)
+    assert len(shared) == 2 and all(t[:2] == shared for t in record.block_tables.values())
+    player = BlockMapPlayer(history, start=at)
+    for b in shared:
+        markup = block_markup(player, b)
+        assert 'data-role="edge"' in markup and f'stroke="#222222" stroke-width="4.5"' in markup
+        assert re.search(r'data-role="badge"[^>]*display="inline"', markup)
+        assert re.search(r'data-role="badge-label"[^>]*display="inline">×3</text>', markup)
+        assert f"block {b}: shared by 3 requests" in markup and "ref count: 3" in markup
+        assert f"hash: {record.block_hashes[b]}" in markup
+    private = next(b for t in record.block_tables.values() for b in t if record.ref_counts[b] == 1)
+    markup = block_markup(player, private)
+    assert 'stroke-width="2.5"' in markup and re.search(r'data-role="badge"[^>]*display="none"', markup)
+    assert "2 shared" in re.search(r'data-role="step"[^>]*>(.*?)</span>', player.html).group(1)
+
+    # after the end: no owner, but the blocks keep their hashes (free but cached), and the rest are plain free
+    last = history[-1]
+    assert not last.block_tables and set(shared) <= set(last.block_hashes)
+    player = BlockMapPlayer(history, start=len(history) - 1)
+    for b in range(last.num_blocks):
+        markup = block_markup(player, b)
+        assert 'height="0.0" fill="none"' in markup  # no fill bar: a free block, cached or not
+        assert re.search(r'data-role="badge"[^>]*display="none"', markup)
+        if b in last.block_hashes:
+            assert 'data-role="bg"' in markup and 'fill="#cfcfcf"' in markup and 'stroke-dasharray="4 2"' in markup
+            assert f"block {b}: free, but cached" in markup and "ref count: 0" in markup
+        else:
+            assert 'fill="#cfcfcf"' not in markup and 'stroke-dasharray="none"' in markup
+            assert f"block {b}: free\n" in html_unescape(markup)
+    label = re.search(r'data-role="step"[^>]*>(.*?)</span>', player.html).group(1)
+    assert f"{len(last.block_hashes)} free but cached" in label
+    # the legend explains both marks, and the script draws them for every other step
+    assert "shared: held by" in player.html and "free but cached: no request holds it" in player.html
+    assert '"#cfcfcf"' in player.html and "badge-label" in player.html and "%CACHED" not in player.html
+
+
+def html_unescape(text: str) -> str:
+    import html
+
+    return html.unescape(text)

@@ -206,7 +206,7 @@ def test_engine_timeline_needs_a_recorded_history():
 def test_the_explorer_drives_an_engine_and_leaves_a_still(tiny):
     import base64
 
-    from tests.test_paged import tiny_tokenizer
+    from tests.conftest import tiny_tokenizer
 
     engine = Engine(tiny, tiny_tokenizer(tiny.cfg.vocab_size), EngineConfig(num_blocks=8, block_size=4, record=True))
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -239,3 +239,109 @@ def test_explorer_is_importable_from_its_module_and_from_viz():
     assert viz.EngineExplorer is explorer.EngineExplorer
     with pytest.raises(AttributeError):
         viz.animate_block_map  # replaced by enginelib.player.BlockMapPlayer
+
+
+# --- chapter 10: the step mix, token gaps and the budget's trade-off ------------------------
+
+from enginelib.scheduler import SchedulerConfig  # noqa: E402
+from enginelib.viz import (plot_budget_tradeoff, plot_step_mix, plot_token_gaps, step_mix,  # noqa: E402
+                           token_gaps)
+
+
+def chunked_run(tiny_dt, budget: int = 8):
+    """Two short requests decoding when a 30-token prompt arrives; prefills chunked under ``budget``."""
+    from tests.conftest import tiny_tokenizer
+
+    config = EngineConfig(num_blocks=32, block_size=4, record=True,
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget))
+    engine = Engine(tiny_dt, tiny_tokenizer(tiny_dt.cfg.vocab_size), config)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    short = [engine.add_request([1, 2, 3], params), engine.add_request([4, 5], params)]
+    engine.step()
+    engine.step()
+    long = engine.add_request(list(range(10, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine, short, long
+
+
+def test_step_mix_counts_every_prefill_and_decode_token(tiny_dt):
+    engine, short, long = chunked_run(tiny_dt)
+    mix = step_mix(engine.history)
+    assert mix.steps == list(range(engine.steps))
+    assert max(mix.total) == 8 and all(t <= 8 for t in mix.total)  # the budget holds in every step
+    assert sum(mix.prefill) == 3 + 2 + 30  # every prompt token is computed once, in some step
+    outputs = [engine.request(rid).output_token_ids for rid in (*short, long)]
+    assert sum(mix.decode) == sum(len(o) - 1 for o in outputs)  # every token after the first is one decode
+    # The long prompt took 30 / (8 - 2 decodes) = 5 steps, each with both short requests decoding beside it.
+    chunks = [r.scheduled[long] for r in engine.history if long in r.prefill]
+    assert chunks == [6] * 5
+    assert [mix.decode[r.step] for r in engine.history if long in r.prefill] == [2] * 5
+    with pytest.raises(ValueError, match="record=True"):
+        step_mix([])
+
+
+def test_step_mix_plot_stacks_prefill_on_decode_under_the_budget_line(tiny_dt):
+    engine, _, _ = chunked_run(tiny_dt)
+    mix = step_mix(engine.history)
+    fig = plot_step_mix(engine.history, budget=8)
+    ax = fig.axes[0]
+    decode, prefill = ax.containers
+    assert [p.get_height() for p in decode] == mix.decode
+    assert [p.get_height() for p in prefill] == mix.prefill
+    assert [p.get_y() for p in prefill] == mix.decode  # prefill sits on top of the decodes
+    budget_lines = [line for line in ax.lines if line.get_label().startswith("token budget")]
+    assert len(budget_lines) == 1 and list(budget_lines[0].get_ydata()) == [8, 8]
+    assert len(ax.get_legend().get_texts()) == 3
+    assert not [line for line in plot_step_mix(engine.history).axes[0].lines]  # no budget, no line
+    with pytest.raises(ValueError, match="positive"):
+        plot_step_mix(engine.history, budget=0)
+
+
+def test_token_gaps_follow_the_token_times():
+    times = {"0": [1.0, 1.5, 1.75], "1": [1.25], "2": [2.0, 4.0]}
+    gaps = token_gaps(times)
+    assert set(gaps) == {"0", "2"}  # one token: no gap
+    assert gaps["0"] == ([0.5, 0.75], [0.5, 0.25])
+    assert gaps["2"] == ([3.0], [2.0])
+    assert token_gaps(times, start=0.0)["2"] == ([4.0], [2.0])
+    with pytest.raises(ValueError, match="backwards"):
+        token_gaps({"0": [2.0, 1.0]})
+    with pytest.raises(ValueError, match="no token times"):
+        token_gaps({"0": []})
+
+
+def test_token_gap_plot_draws_one_line_per_request_in_ms_and_the_marks(tiny_dt):
+    engine, short, long = chunked_run(tiny_dt)
+    times = {rid: engine.request(rid).metrics.token_times for rid in short}
+    arrived = engine.request(long).metrics.arrival_time
+    fig = plot_token_gaps(times, marks={"long prompt arrives": arrived})
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.lines}
+    assert set(lines) == {f"req {rid}" for rid in short} | {"long prompt arrives"}
+    first = min(t[0] for t in times.values())
+    for rid in short:
+        t = times[rid]
+        gaps_ms = [1e3 * (b - a) for a, b in zip(t, t[1:])]
+        # a step per gap, from the token before to the token it waited for
+        assert list(lines[f"req {rid}"].get_ydata()) == pytest.approx([*gaps_ms, gaps_ms[-1]])
+        assert list(lines[f"req {rid}"].get_xdata()) == pytest.approx([x - first for x in t])
+        assert lines[f"req {rid}"].get_drawstyle() == "steps-post"
+    widths = [lines[f"req {rid}"].get_linewidth() for rid in short]
+    assert widths == sorted(widths, reverse=True) and widths[-1] >= 1  # coinciding lines stay visible
+    assert list(lines["long prompt arrives"].get_xdata()) == pytest.approx([arrived - first] * 2)
+    assert ax.get_ylim()[0] == 0
+
+
+def test_budget_tradeoff_plots_one_labelled_point_per_budget():
+    fig = plot_budget_tradeoff([256, 32, 64], ttft=[1.0, 3.0, 2.0], tpot_p99=[0.5, 0.1, 0.2], unchunked=(0.9, 1.2))
+    ax = fig.axes[0]
+    curve, alone = ax.lines
+    assert list(curve.get_xdata()) == pytest.approx([100, 200, 500])  # in budget order, in ms
+    assert list(curve.get_ydata()) == [3.0, 2.0, 1.0]
+    assert [t.get_text() for t in ax.texts] == ["32", "64", "256"]
+    assert list(alone.get_xdata()) == pytest.approx([1200]) and list(alone.get_ydata()) == [0.9]
+    assert ax.get_xlim()[1] > 1200 and ax.get_ylim() == pytest.approx((0, 3.0 * 1.12))  # labels stay inside
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["chunked prefill, by token budget", "no chunking"]
+    with pytest.raises(ValueError, match="one ttft and one tpot_p99 per budget"):
+        plot_budget_tradeoff([32, 64], ttft=[1.0], tpot_p99=[0.1, 0.2])

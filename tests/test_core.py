@@ -1,0 +1,135 @@
+"""The engine core: torch-free scheduling side, incremental detokenization, metrics, sampling in the engine."""
+from __future__ import annotations
+
+import ast
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import enginelib
+from enginelib.engine import KEEP_FINISHED, Engine, EngineConfig
+from enginelib.params import SamplingParams
+from enginelib.sampling import filter_logits
+from enginelib.scheduler import SchedulerConfig
+from enginelib.tokenizer import IncrementalDetokenizer
+
+from .conftest import tiny_tokenizer
+
+PACKAGE = Path(enginelib.__file__).parent
+SCHEDULING_SIDE = ["params", "request", "outputs", "block_pool", "kv_manager", "scheduler"]
+
+
+def _imports(module: str) -> set[str]:
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+    return names
+
+
+@pytest.mark.parametrize("module", SCHEDULING_SIDE)
+def test_the_scheduling_side_imports_no_torch(module):
+    """Requests, blocks and scheduling are plain data: no torch, and only modules of the same side."""
+    for name in _imports(module):
+        assert not name.startswith("torch"), f"{module}.py imports {name}"
+        if name.startswith("."):
+            assert name[1:] in SCHEDULING_SIDE, f"{module}.py imports {name}, which is not torch-free"
+
+
+@pytest.mark.parametrize("text", [
+    "Hello, world! The planets are Mercury, Venus, Earth and Mars.",
+    "Unicode: héllo wörld, 世界 你好, emoji 🌍🚀 and ümlauts — done.",
+    "  leading spaces,\n\nnew lines\tand tabs  ",
+])
+def test_incremental_detokenization_equals_decoding_everything(real, text):
+    _, tok = real
+    ids = tok.encode(text)
+    detok, ids_so_far, pieces = IncrementalDetokenizer(tok), [], []
+    for token in ids:
+        ids_so_far.append(token)
+        pieces.append(detok.step(ids_so_far))
+        assert "\ufffd" not in pieces[-1], "a partial character was sent"
+        assert tok.decode(ids_so_far, skip_special_tokens=True).startswith(detok.text)
+    pieces.append(detok.flush(ids_so_far))
+    assert "".join(pieces) == detok.text == tok.decode(ids, skip_special_tokens=True)
+    assert detok.read_offset == len(ids)
+
+
+def test_an_engine_answer_is_detokenized_incrementally_and_equals_a_full_decode(real):
+    model, tok = real
+    out = enginelib.LLM.from_model(model, tok).generate(["Write three words in Chinese and one emoji."],
+                                                        SamplingParams(temperature=0, max_tokens=24))[0]
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_metrics_are_consistent_and_blocks_come_back(tiny):
+    tok = tiny_tokenizer(tiny.cfg.vocab_size)
+    engine = Engine(tiny, tok, EngineConfig(num_blocks=32, block_size=4))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = [engine.add_request([3, 4, 5, 6, 7][: 2 + i], params) for i in range(3)]
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    assert engine.pool.num_used == 0
+    for rid in ids:
+        m = finals[rid].metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+        assert all(a < b for a, b in zip(m.token_times, m.token_times[1:])), "token times must increase"
+        assert m.num_output_tokens == len(finals[rid].outputs[0].token_ids) == 6
+        assert 0 < m.time_to_first_token <= m.finished_time - m.arrival_time
+        assert m.time_per_output_token == pytest.approx(sum(m.inter_token_latencies) / 5)
+    stats = engine.stats()
+    assert (stats.finished, stats.generated_tokens, stats.running, stats.waiting) == (3, 18, 0, 0)
+
+
+def test_the_engine_forgets_finished_requests_but_keeps_counting(tiny, monkeypatch):
+    monkeypatch.setattr("enginelib.engine.KEEP_FINISHED", 2)
+    tok = tiny_tokenizer(tiny.cfg.vocab_size)
+    engine = Engine(tiny, tok, EngineConfig(num_blocks=32, block_size=4, record=True))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for i in range(4):
+        engine.add_request([5, 6, 7 + i], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert not engine._live and len(engine._finished) == 2  # only the last two are kept for engine.request()
+    assert engine.request("3").output_token_ids and engine.stats().finished == 4
+    with pytest.raises(ValueError, match="finished more than"):
+        engine.request("0")
+    assert all(len(r.states) <= 1 for r in engine.history)  # a step records the live requests, not every past one
+    assert KEEP_FINISHED >= 1000  # the default keeps enough for a chapter's runs
+
+
+def _first_tokens(model, tok, params: dict, n: int = 400) -> Counter:
+    """The first sampled token of ``n`` seeded requests on one prompt, sampled in the engine (batched)."""
+    engine = Engine(model, tok, EngineConfig(num_blocks=256, block_size=4,
+                                             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)))
+    for seed in range(n):
+        engine.add_request([3, 4, 5], SamplingParams(max_tokens=1, seed=seed, **params))
+    tokens = Counter()
+    while engine.has_unfinished_requests():
+        tokens.update(o.outputs[0].token_ids[0] for o in engine.step() if o.finished)
+    return tokens
+
+
+def test_top_k_and_top_p_in_the_engine_sample_the_filtered_distribution(tiny):
+    """Statistically: the engine's samples follow softmax(filtered logits), and the filters change them."""
+    tok = tiny_tokenizer(tiny.cfg.vocab_size)
+    with torch.inference_mode():
+        logits = tiny(torch.tensor([[3, 4, 5]]))[:, -1].float()
+    n = 400
+    plain = _first_tokens(tiny, tok, {"temperature": 1.0}, n)
+    for params in ({"temperature": 1.0, "top_k": 3}, {"temperature": 0.7, "top_p": 0.6}):
+        probs = filter_logits(logits, SamplingParams(**params)).softmax(-1)[0]
+        got = _first_tokens(tiny, tok, params, n)
+        allowed = set(torch.nonzero(probs).flatten().tolist())
+        assert set(got) <= allowed, f"{params}: sampled outside the filtered set"
+        assert len(set(plain)) > len(allowed), "the filter should narrow the choice"
+        for token in allowed:  # each frequency within 4.5 standard deviations of its probability
+            p = float(probs[token])
+            assert abs(got[token] / n - p) <= 4.5 * math.sqrt(p * (1 - p) / n) + 1e-9, (params, token, got, p)
