@@ -20,8 +20,8 @@ from .device import free_gpu_memory
 from .kv_cache import PagedKVCache
 from .kv_manager import KVCacheManager, PrefixCacheStats
 from .model import Transformer
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
-from .params import SamplingParams, check_request
+from .outputs import CompletionOutput, DeltaCursor, RequestMetrics, RequestOutput, StreamDelta
+from .params import SamplingParams, check_request, stop_hold_back
 from .request import Request, RequestStatus
 from .sampling import make_generator, sample
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -243,7 +243,7 @@ class Engine:
         constant however long the text grows.
         """
         text, params = live.detokenizer.text, live.request.params
-        start = max(0, before - _stop_hold_back(params))
+        start = max(0, before - stop_hold_back(params))
         hits = [i for s in params.stop if (i := text.find(s, start)) >= 0]
         if hits:
             live.detokenizer.text = text[:min(hits)]
@@ -268,22 +268,18 @@ class Engine:
     def stream(self) -> Iterator[StreamDelta]:
         """Step until every request is done, yielding each request's new text as it comes.
 
-        Text that ends in a partial UTF-8 character is held back until the
-        character is complete; so are the last ``max(len(stop)) - 1`` characters,
-        which a stop string completed by a later token would cut off the final text.
-        A finished request's last delta has ``finished`` and brings what was held back.
+        What a :class:`DeltaCursor` holds back (a partial character, the last
+        ``max(len(stop)) - 1`` characters) comes in a later delta; a finished
+        request's last delta has ``finished`` and its metrics.
         """
-        sent: dict[str, tuple[int, int]] = {}  # request id -> (characters, tokens) streamed so far
+        cursors: dict[str, DeltaCursor] = {}
         while self.has_unfinished_requests() or self._pending:
             for out in self.step():
-                done = out.outputs[0]
-                chars, ntok = sent.pop(out.request_id, (0, 0))
-                hold = 0 if out.finished else _stop_hold_back(self._live[out.request_id].request.params)
-                ready = len(done.text) if out.finished else max(chars, len(done.text) - hold)
-                yield StreamDelta(out.request_id, done.text[chars:ready], done.token_ids[ntok:],
-                                  out.finished, done.finish_reason)
-                if not out.finished:
-                    sent[out.request_id] = (ready, len(done.token_ids))
+                if out.request_id not in cursors:
+                    cursors[out.request_id] = DeltaCursor(stop_hold_back(self.request(out.request_id).params))
+                yield cursors[out.request_id].delta(out)
+                if out.finished:
+                    del cursors[out.request_id]
 
     def _snapshot(self, plan: SchedulerOutput, ended: list[str]) -> StepRecord:
         running = self.scheduler.running
@@ -318,12 +314,6 @@ def _token_ids(prompt: object) -> list[int]:
             raise ValueError(f"{what} holding {type(t).__name__} {t!r}: pass int token ids, "
                              "or a single string (one prompt) as text") from None
     return ids
-
-
-def _stop_hold_back(params: SamplingParams) -> int:
-    """How many trailing characters a stream keeps back: a stop string may start in them and end in a
-    token still to come, and then the final text ends before it (0 without stop strings)."""
-    return max((len(s) for s in params.stop), default=1) - 1
 
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestStatus", "StepRecord"]

@@ -69,10 +69,41 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """What one request produced in one step: the text and tokens new since the last delta."""
+    """What one request produced in one step: the text and tokens new since the last delta.
+
+    The last delta (``finished``) also carries the request's ``metrics`` and the
+    token counts a server reports as usage.
+    """
 
     request_id: str
     text: str
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class DeltaCursor:
+    """Turns one request's outputs (each with the whole text so far) into deltas (only what is new).
+
+    Text that ends in a partial UTF-8 character is never in an output; the last
+    ``hold_back`` characters (``params.stop_hold_back``) are held back too, since a
+    stop string completed by a later token would cut them from the final text.
+    The finished output's delta brings whatever was held back.
+    """
+
+    hold_back: int = 0
+    chars: int = 0   # characters sent so far
+    tokens: int = 0  # token ids sent so far
+
+    def delta(self, out: RequestOutput) -> StreamDelta:
+        done = out.outputs[0]
+        ready = len(done.text) if out.finished else max(self.chars, len(done.text) - self.hold_back)
+        delta = StreamDelta(out.request_id, done.text[self.chars:ready], done.token_ids[self.tokens:],
+                            out.finished, done.finish_reason, len(out.prompt_token_ids), len(done.token_ids),
+                            out.metrics if out.finished else None)
+        self.chars, self.tokens = ready, len(done.token_ids)
+        return delta

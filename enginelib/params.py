@@ -83,6 +83,12 @@ def finish_reason(token: int, num_generated: int, params: SamplingParams, eos_to
     return None
 
 
+def stop_hold_back(params: SamplingParams) -> int:
+    """How many trailing characters a stream keeps back: a stop string may start in them and end in a
+    token still to come, and then the final text ends before it (0 without stop strings)."""
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
 def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, context_length: int) -> None:
     """Refuse, with what to change, a request no generator or engine can run (shared by both)."""
     if not isinstance(params, SamplingParams):

@@ -1,0 +1,289 @@
+"""The OpenAI-compatible server, tried with the real ``openai`` client against a real server process.
+
+One server (``python -m enginelib.serve``) runs for the module on a free loopback
+port; the offline ``LLM`` on the same model is the oracle for its greedy texts.
+Every wait is bounded; traffic stays on 127.0.0.1.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import openai
+import pytest
+
+from enginelib import LLM, SamplingParams
+from enginelib.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from enginelib.engine import Engine, EngineConfig
+from enginelib.scheduler import SchedulerConfig
+from enginelib.serve import ServerProcess
+
+MODEL = "smollm2-135m"
+PROMPTS = [f"Here is fact number {i} about the {w}:" for i, w in
+           enumerate(["sea", "moon", "forest", "desert", "city", "river", "mountain", "sky"] * 8)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(["--max-num-seqs", "32"], timeout=240) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline(real):
+    return LLM.from_model(*real, max_num_seqs=32)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+
+
+def _get(server: ServerProcess, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(server.url.removesuffix("/v1") + path, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _post(server: ServerProcess, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, Any]:
+    request = urllib.request.Request(server.url + path, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read()), r.headers  # case-insensitive
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    status, text = _get(server, "/metrics")
+    assert status == 200
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} not in /metrics"
+    return float(found.group(1))
+
+
+def wait_idle(server: ServerProcess, timeout: float = 30.0) -> None:
+    """Until the engine runs nothing and holds no block (or fail after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (metric(server, "enginelib_num_requests_running") == 0 and metric(server, "enginelib_num_requests_waiting") == 0
+                and metric(server, "enginelib_kv_blocks_used") == 0):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the server was not idle within {timeout} s: {_get(server, '/metrics')[1][:2000]}")
+
+
+# --- the endpoints --------------------------------------------------------------------------
+
+def test_health_and_models(server, client):
+    assert _get(server, "/health") == (200, '{"status":"ok"}')
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_equals_offline(client, offline):
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    want = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert got.choices[0].text == want.outputs[0].text
+    assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def test_chat_completion_and_stream_agree(client, offline):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == want.text
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == [want.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert len(chunks) > 3, "the answer came in one piece: it was not streamed"
+
+
+def test_stop_strings(client, offline):
+    prompt = "Count: one, two, three, four, five,"
+    free = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
+    stop = free.strip().split()[2]  # a word the free-running text reaches
+    want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0].outputs[0]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert want.finish_reason == "stop" and stop not in want.text
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
+
+
+# --- many clients ----------------------------------------------------------------------------
+
+async def _stream(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, cut_after: int | None) -> str | None:
+    """Stream one completion; with ``cut_after``, hang up after that many chunks (None: the text was cut)."""
+    text, chunks = [], 0
+    async with await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                               stream=True) as stream:
+        async for chunk in stream:
+            text.append(chunk.choices[0].text if chunk.choices else "")
+            chunks += 1
+            if cut_after is not None and chunks >= cut_after:
+                return None  # leaving the block closes the connection mid-stream
+    return "".join(text)
+
+
+async def _many(url: str, jobs: list[tuple[str, int, int | None]]) -> list[str | None]:
+    async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=300) as client:
+        return await asyncio.wait_for(asyncio.gather(*(_stream(client, *job) for job in jobs)), 600)
+
+
+def test_concurrent_streams_equal_offline(server, offline):
+    prompts = PROMPTS[:8]
+    want = [o.outputs[0].text for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=16))]
+    steps_before = metric(server, "enginelib_engine_steps_total")
+    got = asyncio.run(_many(server.url, [(p, 16, None) for p in prompts]))
+    assert got == want
+    steps = metric(server, "enginelib_engine_steps_total") - steps_before
+    assert steps < 8 * 16, f"{steps} steps for 8 streams of 16 tokens: the streams did not share steps"
+    wait_idle(server)
+
+
+def test_64_clients_with_random_disconnects(server, offline):
+    rng = random.Random(0)
+    jobs = [(p, 24, rng.choice([None, None, 1, 3, 8])) for p in PROMPTS]
+    assert sum(cut is not None for _, _, cut in jobs) > 10
+    got = asyncio.run(_many(server.url, jobs))
+    whole = [i for i, (_, _, cut) in enumerate(jobs) if cut is None]
+    want = offline.generate([PROMPTS[i] for i in whole], SamplingParams(temperature=0, max_tokens=24))
+    assert [got[i] for i in whole] == [o.outputs[0].text for o in want]
+    wait_idle(server)  # every cut request was aborted and every block given back
+
+
+# --- bad requests ---------------------------------------------------------------------------
+
+def _chat(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4} | fields).encode()
+
+
+BAD = {
+    "unknown model": ("/chat/completions", _chat(model="gpt-17"), 400, "model"),
+    "missing messages": ("/chat/completions", json.dumps({"model": MODEL}).encode(), 400, "messages"),
+    "messages not a list": ("/chat/completions", _chat(messages="Hi"), 400, "messages"),
+    "unknown role": ("/chat/completions", _chat(messages=[{"role": "wizard", "content": "Hi"}]), 400, "role"),
+    "temperature a string": ("/chat/completions", _chat(temperature="hot"), 400, "temperature"),
+    "temperature negative": ("/chat/completions", _chat(temperature=-1), 400, "temperature"),
+    "top_p out of range": ("/chat/completions", _chat(top_p=1.5), 400, "top_p"),
+    "max_tokens zero": ("/chat/completions", _chat(max_tokens=0), 400, "max_tokens"),
+    "max_tokens past the context": ("/completions", json.dumps({"model": MODEL, "prompt": "Hi",
+                                                                 "max_tokens": 10**6}).encode(), 400, "context"),
+    "prompt missing": ("/completions", json.dumps({"model": MODEL}).encode(), 400, "prompt"),
+    "n above 1": ("/chat/completions", _chat(n=2), 400, "n="),
+    "not JSON": ("/chat/completions", b"{nope", 400, "JSON"),
+    "JSON not an object": ("/chat/completions", b"[1, 2]", 400, "object"),
+    "body too large": ("/completions", json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode(), 413, "bytes"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_requests_get_openai_errors(server, case):
+    path, body, status, words = BAD[case]
+    got, answer, _ = _post(server, path, body)
+    assert got == status, answer
+    error = answer["error"]
+    assert error["type"] == "invalid_request_error" and words in error["message"] + str(error["param"])
+
+
+def test_server_keeps_serving_after_bad_requests(server, client):
+    for path, body, _, _ in BAD.values():
+        _post(server, path, body)
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="not served here"):
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "Hi"}])
+    wait_idle(server)
+
+
+def test_full_queue_gets_503_with_retry_after():
+    with ServerProcess(["--max-waiting", "0", "--num-blocks", "64"], timeout=240) as server:
+        status, answer, headers = _post(server, "/chat/completions", _chat())
+        assert status == 503 and headers.get("Retry-After") == "1"
+        assert "waiting" in answer["error"]["message"]
+        assert _get(server, "/health")[0] == 200
+    assert server.process.returncode is not None
+
+
+# --- AsyncEngine, in this process ---------------------------------------------------------------
+
+async def _collect(engine: AsyncEngine, prompt: str, params: SamplingParams) -> str:
+    return "".join([d.text async for d in engine.generate(prompt, params)])
+
+
+def test_async_engine_streams_equal_offline(real, offline):
+    params = SamplingParams(temperature=0, max_tokens=12)
+    engine = AsyncEngine(Engine(*real, EngineConfig(num_blocks=256)))
+    try:
+        async def main():
+            return await asyncio.gather(*(_collect(engine, p, params) for p in PROMPTS[:4]))
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert got == [o.outputs[0].text for o in offline.generate(PROMPTS[:4], params)]
+    assert not engine._thread.is_alive()
+
+
+def test_async_engine_abort_on_early_exit_and_queue_limit(real):
+    engine = AsyncEngine(Engine(*real, EngineConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_seqs=1))), max_waiting=1)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        first = await engine.add_request(PROMPTS[0], long)
+        await first.__anext__()          # admitted and running
+        with pytest.raises(ValueError, match="max_tokens"):
+            await engine.add_request(PROMPTS[2], SamplingParams(max_tokens=10**6))
+        second = await engine.add_request(PROMPTS[1], long)  # waits for the one seat
+        with pytest.raises(EngineOverloaded, match="retry later"):
+            await engine.add_request(PROMPTS[2], long)
+        first.close()                     # a client gone: aborted, its seat goes to the second
+        delta = await asyncio.wait_for(second.__anext__(), 60)
+        assert delta.text or delta.token_ids
+        second.close()
+        assert await engine.abort(second.request_id) is False  # already gone: nothing to do
+
+    try:
+        asyncio.run(main())
+        deadline = time.monotonic() + 30
+        while engine.stats.pool.used and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.stats.pool.used == 0 and engine.stats.running == 0
+    finally:
+        engine.shutdown()
+
+
+def test_async_engine_error_reaches_callers(real):
+    engine = AsyncEngine(Engine(*real, EngineConfig(num_blocks=64)))
+
+    def broken():
+        raise RuntimeError("CUDA error: device-side assert (simulated)")
+    engine.engine.step = broken
+
+    async def main():
+        with pytest.raises(EngineDead, match="simulated"):
+            await _collect(engine, PROMPTS[0], SamplingParams(max_tokens=4))
+        with pytest.raises(EngineDead):
+            await engine.add_request(PROMPTS[0])
+
+    asyncio.run(main())
+    assert not engine.is_running and isinstance(engine.error, RuntimeError)
+
