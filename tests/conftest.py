@@ -1,5 +1,8 @@
 """Shared fixtures: the real model is loaded once per test session.
 
+``ENGINELIB_TEST_DEVICE=cuda`` puts the engine tests' models on that device (default: cpu):
+``real``, ``real_f32`` and ``tiny_dt``; ``tiny`` stays on the CPU for the tests that mix
+it with CPU tensors (test_model.py).
 ``ENGINELIB_DTYPE=float16`` (or bfloat16) runs the engine tests in that dtype:
 ``real`` follows it, ``real_f32`` and ``tiny`` stay float32 for the tests that are
 float32 by nature (the transformers oracle, tolerances of 1e-5). Greedy tokens
@@ -9,6 +12,7 @@ which also tallies identical vs near-tie requests for the session's summary.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -20,12 +24,13 @@ from enginelib.model import ModelConfig, Transformer
 from enginelib.tokenizer import Tokenizer
 
 enginelib.set_threads()
+DEVICE = torch.device(os.environ.get("ENGINELIB_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="session")
 def real():
-    """SmolLM2-135M-Instruct on the CPU in the default dtype (float32 unless $ENGINELIB_DTYPE): (model, tokenizer)."""
-    return enginelib.load_model(device="cpu", progress=False)
+    """SmolLM2-135M-Instruct on DEVICE in the default dtype (float32 unless $ENGINELIB_DTYPE): (model, tokenizer)."""
+    return enginelib.load_model(device=DEVICE, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +38,7 @@ def real_f32(real):
     """The same model in float32 (the very same object when that is the default)."""
     if real[0].dtype == torch.float32:
         return real
-    return enginelib.load_model(device="cpu", dtype=torch.float32, progress=False)
+    return enginelib.load_model(device=DEVICE, dtype=torch.float32, progress=False)
 
 
 _TALLY: list[Agreement] = []  # every check_greedy verdict of the session, for the terminal summary
@@ -71,8 +76,8 @@ def tiny() -> Transformer:
 
 @pytest.fixture
 def tiny_dt(tiny):
-    """The tiny model in the default dtype ($ENGINELIB_DTYPE), for the engine; ``tiny`` stays float32."""
-    return copy.deepcopy(tiny).to(default_dtype())
+    """The tiny model in the default dtype ($ENGINELIB_DTYPE) on DEVICE, for the engine; ``tiny`` stays float32 on the CPU."""
+    return copy.deepcopy(tiny).to(device=DEVICE, dtype=default_dtype())
 
 
 def tiny_tokenizer(vocab_size: int) -> Tokenizer:

@@ -68,9 +68,9 @@ def test_an_engine_answer_is_detokenized_incrementally_and_equals_a_full_decode(
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
 
 
-def test_metrics_are_consistent_and_blocks_come_back(tiny):
-    tok = tiny_tokenizer(tiny.cfg.vocab_size)
-    engine = Engine(tiny, tok, EngineConfig(num_blocks=32, block_size=4))
+def test_metrics_are_consistent_and_blocks_come_back(tiny_dt):
+    tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
+    engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=32, block_size=4))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ids = [engine.add_request([3, 4, 5, 6, 7][: 2 + i], params) for i in range(3)]
     finals = {}
@@ -88,10 +88,10 @@ def test_metrics_are_consistent_and_blocks_come_back(tiny):
     assert (stats.finished, stats.generated_tokens, stats.running, stats.waiting) == (3, 18, 0, 0)
 
 
-def test_the_engine_forgets_finished_requests_but_keeps_counting(tiny, monkeypatch):
+def test_the_engine_forgets_finished_requests_but_keeps_counting(tiny_dt, monkeypatch):
     monkeypatch.setattr("enginelib.engine.KEEP_FINISHED", 2)
-    tok = tiny_tokenizer(tiny.cfg.vocab_size)
-    engine = Engine(tiny, tok, EngineConfig(num_blocks=32, block_size=4, record=True))
+    tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
+    engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=32, block_size=4, record=True))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for i in range(4):
         engine.add_request([5, 6, 7 + i], params)
@@ -117,16 +117,16 @@ def _first_tokens(model, tok, params: dict, n: int = 400) -> Counter:
     return tokens
 
 
-def test_top_k_and_top_p_in_the_engine_sample_the_filtered_distribution(tiny):
+def test_top_k_and_top_p_in_the_engine_sample_the_filtered_distribution(tiny_dt):
     """Statistically: the engine's samples follow softmax(filtered logits), and the filters change them."""
-    tok = tiny_tokenizer(tiny.cfg.vocab_size)
+    tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
     with torch.inference_mode():
-        logits = tiny(torch.tensor([[3, 4, 5]]))[:, -1].float()
+        logits = tiny_dt(torch.tensor([[3, 4, 5]], device=tiny_dt.device))[:, -1].float()
     n = 400
-    plain = _first_tokens(tiny, tok, {"temperature": 1.0}, n)
+    plain = _first_tokens(tiny_dt, tok, {"temperature": 1.0}, n)
     for params in ({"temperature": 1.0, "top_k": 3}, {"temperature": 0.7, "top_p": 0.6}):
         probs = filter_logits(logits, SamplingParams(**params)).softmax(-1)[0]
-        got = _first_tokens(tiny, tok, params, n)
+        got = _first_tokens(tiny_dt, tok, params, n)
         allowed = set(torch.nonzero(probs).flatten().tolist())
         assert set(got) <= allowed, f"{params}: sampled outside the filtered set"
         assert len(set(plain)) > len(allowed), "the filter should narrow the choice"

@@ -125,9 +125,9 @@ class _HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_step_reads_back_from_the_device_once_whatever_the_sampling(tiny):
-    tok = tiny_tokenizer(tiny.cfg.vocab_size)
-    engine = Engine(tiny, tok, EngineConfig(num_blocks=32, block_size=4))
+def test_a_step_reads_back_from_the_device_once_whatever_the_sampling(tiny_dt):
+    tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
+    engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=32, block_size=4))
     for i, params in enumerate([SamplingParams(temperature=0, max_tokens=6),
                                 SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=6),
                                 SamplingParams(temperature=1.0, top_k=5, seed=2, max_tokens=6),

@@ -172,6 +172,17 @@ def test_64_clients_with_random_disconnects(server, offline):
     wait_idle(server)  # every cut request was aborted and every block given back
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_aborts_it(server):
+    impatient = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=1.0)
+    before = metric(server, "enginelib_generation_tokens_total")
+    with pytest.raises(openai.APITimeoutError):  # 4000 tokens take far longer than a second, even on a GPU
+        impatient.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4000, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    wait_idle(server)
+    made = metric(server, "enginelib_generation_tokens_total") - before
+    assert made < 4000, "the request ran to the end: the hang-up did not abort it"
+
+
 # --- bad requests ---------------------------------------------------------------------------
 
 def _chat(**fields) -> bytes:
