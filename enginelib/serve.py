@@ -15,10 +15,12 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -38,6 +40,7 @@ from .params import SamplingParams
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt this model's context can hold
 DEFAULT_MAX_WAITING = 256
+DRAIN_FACTOR = 8  # a refused body up to 8x the limit is read and dropped before the 413 (see _parse)
 
 
 # --- what a request may say ----------------------------------------------------------------
@@ -210,8 +213,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
         params = _sampling_params(body, prompt, tokenizer, context)
         try:
             stream = await engine.add_request(prompt, params, f"{kind}-{uuid.uuid4().hex}")
-        except ValueError as error:
-            raise ApiError(400, str(error)) from None
+        except ValueError as error:  # the prompt: past the context, empty, out of the vocabulary
+            raise ApiError(400, str(error), _param(str(error)) or "prompt") from None
         except EngineOverloaded as error:
             raise ApiError(503, str(error), headers={"Retry-After": "1"}) from None
         except EngineDead as error:
@@ -226,16 +229,25 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
 
 
 async def _parse(request: Request, model: type[_Body], limit: int) -> _Body:
-    """Read at most ``limit`` bytes of JSON and validate it: every failure is a 4xx that says what to fix."""
+    """Read at most ``limit`` bytes of JSON and validate it: every failure is a 4xx that says what to fix.
+
+    A body over the limit is still read (and dropped), up to ``DRAIN_FACTOR`` times the limit, before
+    the 413: answering first and closing with the body unread resets the connection, and the client
+    would see a broken pipe instead of our error.
+    """
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is {declared} bytes; this server takes at most {limit} "
-                            "(--max-body-bytes)", code="request_too_large")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes (--max-body-bytes)", code="request_too_large")
+    size = int(declared) if declared is not None and declared.isdigit() else 0
+    raw, seen = bytearray(), 0
+    if size <= DRAIN_FACTOR * limit:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen <= limit:
+                raw += chunk
+            elif seen > DRAIN_FACTOR * limit:
+                break
+    if max(size, seen) > limit:
+        raise ApiError(413, f"the request body is {max(size, seen)}{'+' if seen > DRAIN_FACTOR * limit else ''} "
+                            f"bytes; this server takes at most {limit} (--max-body-bytes)", code="request_too_large")
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -265,7 +277,13 @@ def _sampling_params(body: _Body, prompt: str | list[int], tokenizer, context: i
                               max_tokens=max_tokens, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
                               ignore_eos=body.ignore_eos, seed=body.seed)
     except ValueError as error:
-        raise ApiError(400, str(error)) from None
+        raise ApiError(400, str(error), _param(str(error))) from None
+
+
+def _param(message: str) -> str | None:
+    """The request field an engine error names (its messages start with it), for OpenAI's ``param``."""
+    fields = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop", "seed")
+    return next((f for f in fields if message.startswith(f) or f"{f} (" in message), None)
 
 
 @dataclass
@@ -385,6 +403,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="waiting requests past which new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="shut down when this process is gone (ServerProcess passes its own: a killed notebook "
+                        "kernel leaves no server behind)")
     return p.parse_args(argv)
 
 
@@ -409,6 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = parse_args(argv)
+    if args.parent_pid is not None:
+        threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), name="parent-watch", daemon=True).start()
     engine = make_engine(args)
     app = build_app(engine, args.served_model_name or str(args.model), max_body_bytes=args.max_body_bytes)
     print(f"enginelib serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
@@ -416,6 +439,13 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
+
+
+def _exit_with_parent(parent: int, every: float = 1.0) -> None:
+    """Send ourselves SIGTERM (uvicorn's clean shutdown) once ``parent`` has exited: we were re-parented."""
+    while os.getppid() == parent:
+        time.sleep(every)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -440,7 +470,8 @@ class ServerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "enginelib.serve", "--port", str(self.port), *self.args]
+        cmd = [sys.executable, "-m", "enginelib.serve", "--port", str(self.port), "--parent-pid", str(os.getpid()),
+               *self.args]
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe nobody reads would stall the server
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                         env={**os.environ, **(self.env or {})})

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -189,36 +192,39 @@ def _chat(**fields) -> bytes:
     return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4} | fields).encode()
 
 
-BAD = {
-    "unknown model": ("/chat/completions", _chat(model="gpt-17"), 400, "model"),
-    "missing messages": ("/chat/completions", json.dumps({"model": MODEL}).encode(), 400, "messages"),
-    "messages not a list": ("/chat/completions", _chat(messages="Hi"), 400, "messages"),
-    "unknown role": ("/chat/completions", _chat(messages=[{"role": "wizard", "content": "Hi"}]), 400, "role"),
-    "temperature a string": ("/chat/completions", _chat(temperature="hot"), 400, "temperature"),
-    "temperature negative": ("/chat/completions", _chat(temperature=-1), 400, "temperature"),
-    "top_p out of range": ("/chat/completions", _chat(top_p=1.5), 400, "top_p"),
-    "max_tokens zero": ("/chat/completions", _chat(max_tokens=0), 400, "max_tokens"),
+BAD = {  # case: (path, body, status, words in the message, the param OpenAI's error names)
+    "unknown model": ("/chat/completions", _chat(model="gpt-17"), 400, "not served", "model"),
+    "missing messages": ("/chat/completions", json.dumps({"model": MODEL}).encode(), 400, "Field required", "messages"),
+    "messages not a list": ("/chat/completions", _chat(messages="Hi"), 400, "list", "messages"),
+    "unknown role": ("/chat/completions", _chat(messages=[{"role": "wizard", "content": "Hi"}]), 400, "user",
+                     "messages.0.role"),
+    "temperature a string": ("/chat/completions", _chat(temperature="hot"), 400, "number", "temperature"),
+    "temperature negative": ("/chat/completions", _chat(temperature=-1), 400, ">= 0", "temperature"),
+    "top_p out of range": ("/chat/completions", _chat(top_p=1.5), 400, "(0, 1]", "top_p"),
+    "max_tokens zero": ("/chat/completions", _chat(max_tokens=0), 400, "positive", "max_tokens"),
     "max_tokens past the context": ("/completions", json.dumps({"model": MODEL, "prompt": "Hi",
-                                                                 "max_tokens": 10**6}).encode(), 400, "context"),
-    "prompt missing": ("/completions", json.dumps({"model": MODEL}).encode(), 400, "prompt"),
-    "n above 1": ("/chat/completions", _chat(n=2), 400, "n="),
-    "not JSON": ("/chat/completions", b"{nope", 400, "JSON"),
-    "JSON not an object": ("/chat/completions", b"[1, 2]", 400, "object"),
-    "body too large": ("/completions", json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode(), 413, "bytes"),
+                                                                 "max_tokens": 10**6}).encode(), 400, "context",
+                                    "max_tokens"),
+    "prompt missing": ("/completions", json.dumps({"model": MODEL}).encode(), 400, "Field required", "prompt"),
+    "n above 1": ("/chat/completions", _chat(n=2), 400, "n=2", "n"),
+    "not JSON": ("/chat/completions", b"{nope", 400, "JSON", None),
+    "JSON not an object": ("/chat/completions", b"[1, 2]", 400, "object", None),
+    "body too large": ("/completions", json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode(), 413,
+                       "bytes", None),
 }
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_requests_get_openai_errors(server, case):
-    path, body, status, words = BAD[case]
+    path, body, status, words, param = BAD[case]
     got, answer, _ = _post(server, path, body)
     assert got == status, answer
     error = answer["error"]
-    assert error["type"] == "invalid_request_error" and words in error["message"] + str(error["param"])
+    assert error["type"] == "invalid_request_error" and words in error["message"] and error["param"] == param, error
 
 
 def test_server_keeps_serving_after_bad_requests(server, client):
-    for path, body, _, _ in BAD.values():
+    for path, body, *_ in BAD.values():
         _post(server, path, body)
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0).choices[0].text
     with pytest.raises(openai.BadRequestError, match="not served here"):
@@ -233,6 +239,28 @@ def test_full_queue_gets_503_with_retry_after():
         assert "waiting" in answer["error"]["message"]
         assert _get(server, "/health")[0] == 200
     assert server.process.returncode is not None
+
+
+def test_the_server_exits_when_its_parent_dies(tmp_path):
+    """ServerProcess passes --parent-pid: a parent killed without stopping it (a notebook kernel) leaves no server."""
+    script = tmp_path / "parent.py"
+    script.write_text("import os\nfrom enginelib.serve import ServerProcess\n"
+                      "s = ServerProcess(['--num-blocks', '16'], timeout=240).start()\n"
+                      "print(s.process.pid, flush=True)\nos._exit(0)\n")
+    child = int(subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                               check=True).stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(child), "the orphaned server is still running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split()[2] == "Z" if os.path.exists(f"/proc/{pid}/stat") else True
 
 
 # --- AsyncEngine, in this process ---------------------------------------------------------------
