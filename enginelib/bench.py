@@ -6,6 +6,12 @@ peak, memory bandwidth) so the engine can be placed against its limits.
 
     python -m enginelib.bench --quick --json bench.json
     python -m enginelib.bench --workload seed --systems naive,static,engine
+    python -m enginelib.bench --endpoint http://127.0.0.1:8000/v1 --systems engine,endpoint
+
+``--endpoint`` drives any OpenAI-compatible server (ours, vLLM, llama.cpp's)
+with the same workload, as one more system. The ``serve`` section starts our
+own server on the same engine config and compares its throughput under
+concurrent streams with the offline engine's: the cost of HTTP and SSE.
 """
 from __future__ import annotations
 
@@ -16,7 +22,6 @@ import functools
 import importlib
 import importlib.util
 import json
-import math
 import random
 import statistics
 import sys
@@ -24,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from unittest import mock
 
 import torch
@@ -34,6 +40,7 @@ from .block_pool import BlockPool
 from .checks import check_greedy, float32_reference
 from .device import PackedLinear, pick_device, set_threads
 from .engine import Engine, EngineConfig
+from .loadgen import LoadResult, percentile, run_load_sync
 from .model import Transformer
 from .outputs import RequestOutput
 from .params import SamplingParams
@@ -41,7 +48,11 @@ from .scheduler import SchedulerConfig
 from .tokenizer import Tokenizer
 from .weights import DEFAULT_MODEL, load_model
 
+if TYPE_CHECKING:
+    from .serve import ServerProcess  # imported when used: the server stack is not needed offline
+
 SYSTEMS = ("naive", "kv_cache", "static", "hf_static", "engine")
+ENDPOINT = "endpoint"  # an OpenAI-compatible server at --endpoint, run only when one is given
 WORKLOADS = ("seed", "mixed", "poisson", "shared-prefix", "long-prompt")
 
 QUESTIONS = [
@@ -140,6 +151,7 @@ class SystemResult:
     note: str = ""
     prefix_hit_rate: float | None = None  # the engine's, when it caches prefixes
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    texts: list[str] = field(default_factory=list, repr=False)  # the engine's and an endpoint's, to compare
     timings: list[tuple[float, list[float]]] = field(default_factory=list, repr=False)  # (arrival, token times)
 
     @property
@@ -155,11 +167,7 @@ class SystemResult:
                 "e2e_p50_s": _pct(self.e2e, 50), "note": self.note}
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+_pct = percentile  # nearest rank: every percentile reported is a latency that was measured
 
 
 def _latencies(result: SystemResult, arrival: float, token_times: list[float]) -> None:
@@ -250,6 +258,7 @@ def run_engine(model: Transformer, tok: Tokenizer, wl: Workload, config: EngineC
         out = finals[rid]
         result.output_tokens += len(out.outputs[0].token_ids)
         result.outputs.append(out.outputs[0].token_ids)
+        result.texts.append(out.outputs[0].text)
         # A request injected at a step arrives when it is added; one with an arrival time arrives then,
         # even if a busy step delayed its add (that wait is part of its latency).
         arrival = out.metrics.arrival_time if wl.requests[i].arrival_step else start + wl.requests[i].arrival_s
@@ -299,6 +308,102 @@ def chunked_prefill_effect(model: Transformer, tok: Tokenizer, config: EngineCon
             "ttft_p50_long_on_s": _pct([t for q, t in zip(wl.requests, runs[True].ttft) if q.arrival_step], 50),
             "ttft_p50_long_off_s": _pct([t for q, t in zip(wl.requests, runs[False].ttft) if q.arrival_step], 50),
             "note": runs[True].note.strip("; ")}
+
+
+def run_endpoint(url: str, served_model: str, tok: Tokenizer, wl: Workload, concurrency: int,
+                 text_prompts: bool = False, name: str = ENDPOINT) -> SystemResult:
+    """The workload through an OpenAI-compatible server: streamed completions, timed as the client sees them.
+
+    Prompts go to ``/v1/completions`` as the workload's own token ids, so the
+    server computes exactly the tokens the other systems do (no chat template
+    applied twice, no re-tokenizing drift); ours and vLLM take token-id prompts.
+    ``text_prompts`` sends the decoded text instead, for a server whose
+    tokenizer differs. Requests arrive at their ``arrival_s``; one the workload
+    injects at an engine step cannot be timed so over HTTP and is sent at the
+    start. At most ``concurrency`` are in flight; waiting for a free slot counts
+    in a request's TTFT, as waiting in the engine's queue does.
+    """
+    prompts = [tok.decode(r.prompt_ids) if text_prompts else r.prompt_ids for r in wl.requests]
+    arrivals = [r.arrival_s for r in wl.requests]
+    extra = {"ignore_eos": True} if wl.ignore_eos else {}
+    load = run_load_sync(url, served_model, prompts, [r.max_tokens for r in wl.requests], concurrency=concurrency,
+                         arrivals=arrivals if any(arrivals) else None, **extra)
+    return _endpoint_result(name, wl, load)
+
+
+def _endpoint_result(name: str, wl: Workload, load: LoadResult) -> SystemResult:
+    result = SystemResult(name, len(wl.requests), load.output_tokens, load.duration,
+                          note=f"{load.concurrency} streams at most")
+    result.texts = [t.text for t in load.timings]  # in request order; a failed request's is empty
+    for t in load.ok:
+        if t.token_times:  # latencies from when the request was due, as run_engine counts from arrival
+            result.ttft.append(t.token_times[0] - t.due)
+            result.e2e.append(t.token_times[-1] - t.due)
+        if t.tpot is not None:  # a chunk may carry several tokens: TPOT is over the tokens the server counted
+            result.tpot.append(t.tpot)
+        result.itl += t.itl
+    if stepped := sum(r.arrival_step > 0 for r in wl.requests):
+        result.note += f"; {stepped} requests injected at an engine step were sent at the start"
+    if load.errors:
+        result.note += f"; {len(load.errors)} requests failed, first: {load.errors[0]}"
+    return result
+
+
+def _same_texts(a: SystemResult, b: SystemResult) -> float | None:
+    """Fraction of requests whose texts are equal (greedy: the server must say what the engine says)."""
+    n = min(len(a.texts), len(b.texts))
+    return sum(x == y for x, y in zip(a.texts, b.texts)) / n if n else None
+
+
+def served_model_name(url: str) -> str:
+    """The model an OpenAI-compatible server serves (the first its ``/v1/models`` lists)."""
+    import openai
+
+    models = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30).models.list().data
+    if not models:
+        raise ValueError(f"{url}/models lists no model: pass --served-model NAME")
+    return models[0].id
+
+
+def serve_args(args: argparse.Namespace, device: torch.device, threads: int, config: EngineConfig,
+               concurrency: int) -> list[str]:
+    """``python -m enginelib.serve`` flags for the engine config the offline runs use, ``concurrency`` seats."""
+    sched = config.scheduler
+    flags = ["--model", str(args.model), "--threads", str(threads), "--device", str(device),
+             "--block-size", str(config.block_size), "--max-num-seqs", str(concurrency),
+             "--max-num-batched-tokens", str(sched.max_num_batched_tokens), "--max-waiting", str(concurrency)]
+    flags += ["--dtype", args.dtype] if args.dtype else []
+    flags += ["--num-blocks", str(config.num_blocks)] if config.num_blocks is not None else []
+    flags += [] if config.enable_prefix_caching else ["--no-prefix-caching"]
+    return flags + ([] if sched.enable_chunked_prefill else ["--no-chunked-prefill"])
+
+
+def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: Workload, config: EngineConfig,
+                 concurrency: int) -> dict:
+    """Our server against the offline engine on the same workload, same engine config: the cost of HTTP and SSE.
+
+    Both get ``max_num_seqs = concurrency`` (the client keeps that many streams
+    open; the offline engine runs that many at once), the same threads, and the
+    workload's requests all at the start (as ``run_endpoint`` sends them). The
+    server (a started :class:`~enginelib.serve.ServerProcess`, flags from
+    :func:`serve_args`) runs in a child process, so on a small CPU the client
+    competes with it for cores; that is part of what is measured.
+    """
+    flat = Workload(wl.name, [dataclasses.replace(r, arrival_step=0) for r in wl.requests], wl.ignore_eos)
+    sched = dataclasses.replace(config.scheduler, max_num_seqs=concurrency)
+    same = dataclasses.replace(config, scheduler=sched)
+    warm = Workload("warm-up", [BenchRequest(_chat(tok, "hi"), 4)])
+    run_engine(model, tok, warm, same)  # one-off costs out of the measurement, as the server's warm-up below
+    offline = run_engine(model, tok, flat, same)
+    name = served_model_name(server.url)
+    run_load_sync(server.url, name, [warm.requests[0].prompt_ids], 4, concurrency=1)
+    served = run_endpoint(server.url, name, tok, flat, concurrency, name="server")
+    return {"throughput_ratio": served.tok_per_s / offline.tok_per_s, "server_tok_per_s": served.tok_per_s,
+            "offline_tok_per_s": offline.tok_per_s, "concurrency": concurrency, "requests": len(flat.requests),
+            "ttft_p50": _pct(served.ttft, 50), "ttft_p99": _pct(served.ttft, 99),
+            "tpot_p50": _pct(served.tpot, 50), "tpot_p99": _pct(served.tpot, 99),
+            "offline_ttft_p50": _pct(offline.ttft, 50), "offline_tpot_p50": _pct(offline.tpot, 50),
+            "texts_equal": _same_texts(served, offline), "note": served.note}
 
 
 def latency_curve(model: Transformer, tok: Tokenizer, rates: list[float], config: EngineConfig,
@@ -545,24 +650,57 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-chunked-prefill", action="store_true", help="the engine prefills each prompt in one step")
     ap.add_argument("--chunk-budget", type=int, default=256,
                     help="the token budget per step in the chunked-prefill comparison")
+    ap.add_argument("--endpoint", default=None, metavar="URL",
+                    help="also run the workload through this OpenAI-compatible server (base URL, e.g. "
+                         "http://127.0.0.1:8000/v1), reported as the system 'endpoint'")
+    ap.add_argument("--served-model", default=None, metavar="NAME",
+                    help="the model name to send to --endpoint (default: the first its /v1/models lists)")
+    ap.add_argument("--text-prompts", action="store_true",
+                    help="send --endpoint the prompts as text, not token ids (a server with another tokenizer)")
+    ap.add_argument("--concurrency", type=int, default=32, help="streams in flight at most, for --endpoint and serve")
+    ap.add_argument("--no-serve", action="store_true",
+                    help="skip the serve section (our server vs the offline engine, same workload)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     args = ap.parse_args(argv)
 
+    systems = tuple(args.systems.split(","))
+    if args.endpoint and ENDPOINT not in systems:
+        systems += (ENDPOINT,)
+    for s in systems:
+        if s not in SYSTEMS + (ENDPOINT,):
+            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS + (ENDPOINT,))}")
+    if ENDPOINT in systems and not args.endpoint:
+        ap.error("the endpoint system needs --endpoint URL (an OpenAI-compatible server's base URL)")
+    if args.concurrency < 1:
+        ap.error(f"--concurrency must be at least 1, got {args.concurrency}")
+    served = (args.served_model or served_model_name(args.endpoint)) if args.endpoint else None
     threads = set_threads(args.threads)
     device = pick_device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    model, tok = load_model(args.model, device=device, dtype=dtype, progress=False,
-                            pack=False if args.no_pack else None)
-    workloads = WORKLOADS if args.workload == "all" else tuple(args.workload.split(","))
-    systems = tuple(args.systems.split(","))
-    for s in systems:
-        if s not in SYSTEMS:
-            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
-    few = args.naive_requests or (2 if args.quick else 4)
-    hf = load_hf(device, model.dtype) if "hf_static" in systems else None
     config = EngineConfig(enable_prefix_caching=not args.no_prefix_caching,
                           scheduler=SchedulerConfig(args.max_num_seqs, 4096, not args.no_chunked_prefill))
+    server = None
+    if not args.no_serve:  # our server loads its model while we load ours; it idles until the serve section
+        from .serve import ServerProcess
 
+        server = ServerProcess(serve_args(args, device, threads, config, args.concurrency)).launch()
+    try:
+        model, tok = load_model(args.model, device=device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                progress=False, pack=False if args.no_pack else None)
+        if server is not None:
+            server.wait_ready()  # healthy before anything is timed: its loading must not slow our measurements
+        return _measure(args, systems, served, threads, device, config, model, tok, server)
+    finally:
+        if server is not None:
+            server.stop()  # also when our own load failed: a half-started server is terminated
+
+
+def _measure(args: argparse.Namespace, systems: tuple[str, ...], served: str | None, threads: int,
+             device: torch.device, config: EngineConfig, model: Transformer, tok: Tokenizer,
+             server: ServerProcess | None) -> dict:
+    """Every system on every workload, then the sections; the report as a dict (and a JSON file)."""
+    workloads = WORKLOADS if args.workload == "all" else tuple(args.workload.split(","))
+    few = args.naive_requests or (2 if args.quick else 4)
+    hf = load_hf(device, model.dtype) if "hf_static" in systems else None
     warm = Workload("warm-up", [BenchRequest(_chat(tok, "hi"), 4)])
     run_engine(model, tok, warm, config)
     run_one_at_a_time("warm-up", generate_cached, model, tok, warm)
@@ -586,6 +724,11 @@ def main(argv: list[str] | None = None) -> dict:
                 results[system] = run_hf_static(hf, tok, wl, args.batch_size, device)
             elif system == "engine":
                 results[system] = run_engine(model, tok, wl, config)
+            elif system == ENDPOINT:
+                results[system] = run_endpoint(args.endpoint, served, tok, wl, args.concurrency, args.text_prompts)
+                if "engine" in results:
+                    same = _same_texts(results[system], results["engine"])
+                    results[system].note += f"; {same:.0%} of texts equal the engine's"
         _check_same_tokens(model, wl, results)
         report["workloads"][name] = {s: r.summary() for s, r in results.items()}
         if name == workloads[0]:
@@ -600,6 +743,11 @@ def main(argv: list[str] | None = None) -> dict:
     if "engine" in systems:
         report["prefix_cache"] = prefix_cache_effect(model, tok, config, args.quick)
         report["chunked_prefill"] = chunked_prefill_effect(model, tok, config, args.quick, args.chunk_budget)
+    if server is not None:
+        wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
+        report["serve"] = serve_effect(server, model, tok, wl0, config, args.concurrency)
+        if args.no_pack:
+            report["serve"]["note"] += "; the server packs its linears (serve has no --no-pack)"
     report["ratios"]["single_stream_vs_hf"] = report.pop("_single_stream_vs_hf")
     engine_outputs = first["engine"].outputs if "engine" in first else None
     wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
@@ -645,7 +793,8 @@ def _ratios(systems: dict) -> dict:
         return systems[a]["tok_per_s"] / systems[b]["tok_per_s"] if a in systems and b in systems else None
 
     return {"engine_vs_naive": ratio("engine", "naive"), "engine_vs_kv_cache": ratio("engine", "kv_cache"),
-            "engine_vs_static": ratio("engine", "static"), "engine_vs_hf_static": ratio("engine", "hf_static")}
+            "engine_vs_static": ratio("engine", "static"), "engine_vs_hf_static": ratio("engine", "hf_static"),
+            "endpoint_vs_engine": ratio(ENDPOINT, "engine")}
 
 
 def _roofline(model: Transformer, tok: Tokenizer, hf, device: torch.device, quick: bool) -> dict:
@@ -711,6 +860,13 @@ def _print_summary(report: dict) -> None:
               f"hit rate {p['hit_rate']:.0%}")
         print(f"chunked prefill (long-prompt, budget {c['budget']}): decode p99 gap {_fmt(c['tpot_p99_on_s'], 1e3, 0)} ms "
               f"with, {_fmt(c['tpot_p99_off_s'], 1e3, 0)} ms without (ratio {c['tpot_p99_ratio']:.2f})")
+    if "serve" in report:
+        s = report["serve"]
+        print(f"serve ({s['concurrency']} streams, {s['requests']} requests): server {s['server_tok_per_s']:.1f} tok/s "
+              f"vs offline {s['offline_tok_per_s']:.1f} tok/s = {s['throughput_ratio']:.2f}x; TTFT p50 "
+              f"{_fmt(s['ttft_p50'], 1e3, 0)} ms, p99 {_fmt(s['ttft_p99'], 1e3, 0)} ms; TPOT p50 "
+              f"{_fmt(s['tpot_p50'], 1e3, 0)} ms, p99 {_fmt(s['tpot_p99'], 1e3, 0)} ms; "
+              f"{_fmt(s['texts_equal'], 100, 0)}% of texts equal the offline engine's")
     if "kv_waste" in report:
         w, c = report["kv_waste"], report["concurrency"]
         print(f"KV waste: paged {w['paged']:.1%} vs reserve-{w['max_len']} {w['contiguous']:.1%}; "

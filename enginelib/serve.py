@@ -470,11 +470,22 @@ class ServerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
+        """Launch the server and wait until it is healthy."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> "ServerProcess":
+        """Start the child process and return at once (it loads its model meanwhile); see :meth:`wait_ready`."""
         cmd = [sys.executable, "-m", "enginelib.serve", "--port", str(self.port), "--parent-pid", str(os.getpid()),
                *self.args]
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe nobody reads would stall the server
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                         env={**os.environ, **(self.env or {})})
+        return self
+
+    def wait_ready(self) -> "ServerProcess":
+        """Poll /health until the launched server answers; raise with its log if it exits or takes too long."""
+        if self.process is None:
+            raise ValueError("the server was not launched: call launch() (or start()) first")
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -484,7 +495,7 @@ class ServerProcess:
                 return self
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"the server was not healthy within {self.timeout} s: {' '.join(cmd)}")
+        raise TimeoutError(f"the server was not healthy within {self.timeout} s: {' '.join(self.process.args)}")
 
     def _healthy(self) -> bool:
         try:

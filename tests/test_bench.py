@@ -14,6 +14,8 @@ SCHEMA = [
     "mfu_decode_b32", "kv_waste.paged", "kv_waste.contiguous", "concurrency_ratio",
     "machine.torch", "machine.threads", "machine.device", "machine.dtype",
     "prefix_cache.ttft_ratio", "prefix_cache.hit_rate", "chunked_prefill.tpot_p99_ratio",
+    "serve.throughput_ratio", "serve.server_tok_per_s", "serve.offline_tok_per_s", "serve.concurrency",
+    "serve.ttft_p50", "serve.ttft_p99", "serve.tpot_p50", "serve.tpot_p99",
 ]
 
 
@@ -39,6 +41,11 @@ def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
     assert 0 < report["prefix_cache"]["ttft_ratio"] and 0 < report["chunked_prefill"]["tpot_p99_ratio"]
     for section in ("prefix_cache", "chunked_prefill"):  # on and off must give the same tokens
         assert "differs" not in report[section]["note"], report[section]["note"]
+    serve = report["serve"]  # our server on the same workload, 32 streams at most (all 16 quick requests at once)
+    assert serve["concurrency"] == 32 and serve["requests"] == 16 and "failed" not in serve["note"], serve["note"]
+    assert serve["throughput_ratio"] == pytest.approx(serve["server_tok_per_s"] / serve["offline_tok_per_s"])
+    assert 0 < serve["ttft_p50"] <= serve["ttft_p99"] and 0 < serve["tpot_p50"] <= serve["tpot_p99"]
+    assert serve["texts_equal"] > 0.5, "greedy: the server says what the offline engine says (near-ties aside)"
 
 
 def test_workloads_are_deterministic(real):
