@@ -11,11 +11,13 @@ from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
 from .sampling import sample
 from .scheduler import Scheduler, SchedulerConfig
+from .speculative import SpeculativeConfig
 from .tokenizer import Tokenizer
 from .weights import DEFAULT_MODEL, fetch, load_model
 
 __all__ = [
-    "DEFAULT_MODEL", "LLM", "NEAR_TIE_MARGIN", "Agreement", "BlockPool", "CompletionOutput", "ContiguousKVCache", "Divergence", "Engine", "EngineConfig",
-    "KVCacheManager",     "ModelConfig", "PagedKVCache", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerConfig",
-    "Tokenizer", "Transformer", "check_greedy", "default_dtype", "fetch", "load_model", "pick_device", "sample", "set_threads",
+    "DEFAULT_MODEL", "LLM", "NEAR_TIE_MARGIN", "Agreement", "BlockPool", "CompletionOutput", "ContiguousKVCache",
+    "Divergence", "Engine", "EngineConfig", "KVCacheManager", "ModelConfig", "PagedKVCache", "RequestOutput",
+    "SamplingParams", "Scheduler", "SchedulerConfig", "SpeculativeConfig", "Tokenizer", "Transformer", "check_greedy",
+    "default_dtype", "fetch", "load_model", "pick_device", "sample", "set_threads",
 ]

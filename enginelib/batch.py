@@ -21,6 +21,7 @@ class SequenceWork:
     start: int              # position of the first of them (= tokens already cached)
     block_table: list[int]  # its blocks, in order
     sample: bool = True     # its last token needs logits (not a prefill chunk with more to come)
+    num_draft: int = 0      # its last tokens are this many guesses to verify: they and the token before get logits
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Batch:
     context_lens: torch.Tensor  # [S] tokens each sequence has in the cache after this step
     query_lens: list[int]       # [S] new tokens per sequence
     logits_indices: torch.Tensor  # [R] row of the last new token of each sequence that samples: only these get logits
+    #                               (a sequence verifying k guesses gets k + 1 rows, see enginelib.speculative)
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +55,7 @@ class Batch:
             positions += pos
             slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
             if s.sample:
-                ends.append(len(tokens) - 1)
+                ends += range(len(tokens) - 1 - s.num_draft, len(tokens))
         width = max(len(s.block_table) for s in seqs)
         tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
         context_lens = [s.start + len(s.token_ids) for s in seqs]

@@ -1,7 +1,9 @@
 """The engine loop: schedule, build a batch, run the model over the paged cache, sample, update.
 
 Requests can be added at any time, also while others decode: each step the
-scheduler sees them. That is continuous batching.
+scheduler sees them. That is continuous batching. With a speculative config,
+each step first asks a proposer for guesses, and a decode verifies them in the
+same forward pass (:mod:`enginelib.speculative`).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from .outputs import CompletionOutput, DeltaCursor, RequestMetrics, RequestOutpu
 from .params import SamplingParams, check_request, stop_hold_back
 from .request import Request, RequestStatus
 from .sampling import make_generator, sample
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .scheduler import ScheduledWork, Scheduler, SchedulerConfig, SchedulerOutput
+from .speculative import Proposer, SpecStats, SpeculativeConfig, accept_greedy, make_proposer, rejection_sample
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20  # bytes of K/V on a CPU when nothing else is said
@@ -40,6 +43,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse computed blocks of a shared prefix (chapter 9)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # seats, token budget, chunked prefill
     record: bool = False                # keep a StepRecord per step (for timelines and block maps)
+    speculative: SpeculativeConfig | None = None  # guess tokens and verify them in one step (chapter 12); off: None
 
     @classmethod
     def from_args(cls, **args) -> "EngineConfig":
@@ -106,6 +110,8 @@ class Engine:
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype)
         self.scheduler = Scheduler(config.scheduler, self.kv, tokenizer.eos_token_id)
+        self.proposer: Proposer | None = None if config.speculative is None else make_proposer(config.speculative, model)
+        self.spec_stats = SpecStats()  # proposed / accepted guesses (all zero without speculation)
         self.history: list[StepRecord] = []
         self.steps = 0
         self._live: dict[str, _Live] = {}                       # unfinished requests
@@ -178,8 +184,12 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that moved (and any just aborted)."""
+        drafts = None
+        if self.proposer is not None:
+            with record_function("propose"):
+                drafts = self._propose()
         with record_function("schedule"):  # named phases show up in torch.profiler (chapter 8)
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
         outputs, self._pending = self._pending, []
         ended = [o.request_id for o in outputs]
         self._num_preemptions += len(plan.preempted)
@@ -187,13 +197,14 @@ class Engine:
             tokens = self._run_model(plan)
             with record_function("update"):
                 now = time.perf_counter()
+                before = [len(w.request.output_token_ids) for w in plan.scheduled]
                 self.scheduler.update(plan, tokens)
-                self._num_generated += len(tokens)
-                for work in plan.scheduled:
+                for work, n in zip(plan.scheduled, before):
                     if not work.samples:
                         continue  # a prefill chunk: nothing to tell yet
                     live = self._live[work.request.request_id]
-                    self._new_token(live, now)
+                    self._new_tokens(live, now, len(work.request.output_token_ids) - n)
+                    self._num_generated += len(work.request.output_token_ids) - n
                     outputs.append(self._output(live))
                     if work.request.is_finished:
                         self._forget(live, now)
@@ -203,11 +214,29 @@ class Engine:
             self.history.append(self._snapshot(plan, ended))
         return outputs
 
-    def _run_model(self, plan: SchedulerOutput) -> list[int]:
-        """Compute the step's tokens; return one sampled token per work that ``samples``."""
+    def _propose(self) -> dict[str, list[int]]:
+        """Guesses for every running request that decodes next step, at most k and never past its max_tokens."""
+        k, vocab = self.config.speculative.num_speculative_tokens, self.model.cfg.vocab_size
+        drafts = {}
+        for request in self.scheduler.running:
+            n = min(k, request.params.max_tokens - len(request.output_token_ids) - 1)
+            decodes = request.num_uncomputed_tokens == 1 and request.num_computed_tokens >= len(request.prompt_token_ids)
+            if n < 1 or not decodes:
+                continue
+            guesses = list(self.proposer.propose(request.all_token_ids, n))[:n]
+            if any(not 0 <= t < vocab for t in guesses):
+                raise ValueError(f"the proposer guessed token ids outside the vocabulary (0..{vocab - 1}): {guesses}")
+            if guesses:
+                drafts[request.request_id] = guesses
+        return drafts
+
+    def _run_model(self, plan: SchedulerOutput) -> list[int | list[int]]:
+        """Compute the step's tokens: one sampled token per work that ``samples``, or a verified run for a
+        work with guesses (see :mod:`enginelib.speculative`)."""
         with record_function("prepare"):
-            seqs = [SequenceWork(w.request.token_slice(w.start, w.start + w.num_tokens), w.start,
-                                 w.request.block_table, w.samples) for w in plan.scheduled]
+            seqs = [SequenceWork(w.request.token_slice(w.start, w.start + w.num_tokens - len(w.draft_token_ids))
+                                 + w.draft_token_ids, w.start, w.request.block_table, w.samples, len(w.draft_token_ids))
+                    for w in plan.scheduled]
             batch = Batch.build(seqs, self.pool.block_size, self.model.device)
         with record_function("forward"):  # a step of prefill chunks only has no rows of logits
             logits = self.model(batch.token_ids, self.cache.bind(batch), positions=batch.positions,
@@ -216,26 +245,65 @@ class Engine:
             # Every row is sampled on the device first (greedy rows by argmax, the others with their own
             # generators), then one transfer brings the whole step's tokens to the host: one sync per step.
             tokens = logits.argmax(dim=-1)
-            sampling = [w.request for w in plan.scheduled if w.samples]
-            for row, request in enumerate(sampling):
-                if not request.params.greedy:
-                    generator = self._live[request.request_id].generator
+            sampling = [w for w in plan.scheduled if w.samples]
+            if not any(w.draft_token_ids for w in sampling):
+                for row, work in enumerate(sampling):
+                    request = work.request
+                    if not request.params.greedy:
+                        generator = self._live[request.request_id].generator
+                        tokens[row:row + 1] = sample(logits[row:row + 1], request.params, generator)
+                return tokens.tolist()
+            return self._verify(sampling, logits, tokens)
+
+    def _verify(self, sampling: list[ScheduledWork], logits: torch.Tensor, tokens: torch.Tensor) -> list[int | list[int]]:
+        """Sample a step with guesses: k + 1 rows per work that guesses, one transfer to the host at the end."""
+        rows, verdicts = [], []  # each work's first row; the [accepted, token] tensors of sampled verifications
+        row = 0
+        for work in sampling:
+            request, n = work.request, 1 + len(work.draft_token_ids)
+            rows.append(row)
+            if not request.params.greedy:
+                generator = self._live[request.request_id].generator
+                if work.draft_token_ids:
+                    verdicts.append(rejection_sample(logits[row:row + n], work.draft_token_ids, request.params,
+                                                     generator))
+                else:
                     tokens[row:row + 1] = sample(logits[row:row + 1], request.params, generator)
-            return tokens.tolist()
+            row += n
+        host = torch.cat([tokens, *verdicts]).tolist()
+        sampled = iter(zip(host[row::2], host[row + 1::2]))
+        out: list[int | list[int]] = []
+        for work, first in zip(sampling, rows):
+            guesses = work.draft_token_ids
+            if not guesses:
+                out.append(host[first])
+                continue
+            if work.request.params.greedy:
+                run = accept_greedy(guesses, host[first:first + len(guesses) + 1])
+            else:
+                kept, token = next(sampled)
+                run = guesses[:kept] + [token]
+            self.spec_stats.record(len(guesses), len(run) - 1)
+            out.append(run)
+        return out
 
-    def _new_token(self, live: _Live, now: float) -> None:
-        """Stamp the token's time, extend the text by the new characters only, and look for stop strings there."""
-        request = live.request
-        request.metrics.token_times.append(now)
-        detok = live.detokenizer
-        before = len(detok.text)
-        detok.step(request.output_token_ids)
-        if request.is_finished:
-            detok.flush(request.output_token_ids)
-        elif request.params.stop:
-            self._check_stop_strings(live, before)
+    def _new_tokens(self, live: _Live, now: float, count: int) -> None:
+        """Stamp each new token's time, extend the text by its new characters only, and look for stop strings
+        there, token by token: a stop string found before the last of a verified run cuts the run there."""
+        request, detok = live.request, live.detokenizer
+        ids = request.output_token_ids
+        for end in range(len(ids) - count + 1, len(ids) + 1):
+            request.metrics.token_times.append(now)
+            before = len(detok.text)
+            detok.step(ids if end == len(ids) else ids[:end])
+            if end == len(ids) and request.is_finished:
+                detok.flush(ids)  # ended by a token (EOS, a stop id, max_tokens): nothing is held back any more
+                return
+            if request.params.stop and self._check_stop_strings(live, before):
+                del ids[end:]  # nothing past a stop
+                return
 
-    def _check_stop_strings(self, live: _Live, before: int) -> None:
+    def _check_stop_strings(self, live: _Live, before: int) -> bool:
         """End the request when its text contains a stop string; the text is cut before it.
 
         Only the new characters can complete a match, so the search starts
@@ -247,7 +315,10 @@ class Engine:
         hits = [i for s in params.stop if (i := text.find(s, start)) >= 0]
         if hits:
             live.detokenizer.text = text[:min(hits)]
+            if live.request.is_finished:  # a later token of the same verified run ended it: the stop string came first
+                live.request.finish_reason = "stop"
             self.scheduler.finish(live.request, "stop")
+        return bool(hits)
 
     def _forget(self, live: _Live, now: float) -> None:
         """A finished request leaves the engine's per-step state; counters and a bounded record remain."""

@@ -99,9 +99,22 @@ class KVCacheManager:
         request.num_computed_tokens = computed
         if admission:
             request.metrics.num_cached_tokens = len(cached) * self.block_size
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, computed, computed + num_new_tokens)
+        if self.enable_prefix_caching:  # only the request's own tokens: slots for guesses past them are not hashed
+            self._cache_full_blocks(request, computed, min(computed + num_new_tokens, request.num_tokens))
         return True
+
+    def keep(self, request: Request, start: int) -> None:
+        """After verifying guesses: tokens ``start..num_computed_tokens`` are the request's now; the rest are gone.
+
+        Blocks the kept guesses completed are hashed now (at schedule time they
+        held unverified tokens, and a hash must only ever stand for real ones);
+        blocks past the kept tokens held rejected guesses only and go back to the pool.
+        """
+        keep = self.pool.blocks_for(request.num_computed_tokens)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, start, request.num_computed_tokens)
+        self.pool.free(request.block_table[keep:][::-1])
+        del request.block_table[keep:]
 
     def _cache_full_blocks(self, request: Request, start: int, end: int) -> None:
         """Hash the blocks that tokens ``start..end`` complete; a partly filled block stays private."""

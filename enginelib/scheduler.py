@@ -7,6 +7,9 @@ steps, while the others keep decoding. Waiting requests are admitted in order
 while their blocks and tokens fit. When a running request needs a block and
 none is free, the most recently admitted request is *preempted by recompute*
 (its blocks freed, itself sent back to the front of the queue).
+With speculative decoding (chapter 12), a decode may also compute guessed
+tokens that the engine verifies; ``update`` then keeps only what verification
+accepted and gives back the blocks that held rejected guesses only.
 
 Blocks are the :class:`KVCacheManager`'s business; the scheduler only asks for
 them. It never touches tensors (this module does not even import the tensor
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
@@ -45,6 +49,7 @@ class ScheduledWork:
     is_prefill: bool  # computing its prompt (or recomputing after a preemption), not decoding
     start: int = 0    # position of the first of them: the tokens before it are in the cache
     samples: bool = True  # they reach the end of what it has, so a new token is sampled
+    draft_token_ids: list[int] = field(default_factory=list)  # guesses computed after its last token, to verify
 
 
 @dataclass
@@ -100,7 +105,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+        """Plan one step. ``drafts`` (speculative decoding): guessed next tokens of decoding requests, by id;
+        such a decode computes its last token and the guesses that fit the budget and max_tokens."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # 1. Running requests, oldest first. A decode takes one token; a prompt still being prefilled takes
@@ -115,6 +122,12 @@ class Scheduler:
             if num_new < 1:
                 i += 1
                 continue  # no room for a chunk this step; it keeps its blocks and goes on next step
+            guesses = self._fitting_drafts(request, drafts, budget - decodes_left - 1, i) if is_decode and drafts else []
+            if guesses and self.kv.allocate_slots(request, 1 + len(guesses)):  # else no guesses, as a plain decode
+                out.scheduled.append(self._work(request, 1 + len(guesses), False, guesses))
+                budget -= 1 + len(guesses)
+                i += 1
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 decodes_left -= victim is not request and _decodes(victim)
@@ -146,10 +159,24 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _fitting_drafts(self, request: Request, drafts: Mapping[str, Sequence[int]], room: int, i: int) -> list[int]:
+        """The guesses of ``running[i]`` that fit ``room`` tokens of budget, its max_tokens (a step emits
+        1 + guesses), and the free blocks less one for each later running request that needs a new block:
+        a guess never costs another request its step, or a preemption."""
+        if request.request_id not in drafts:
+            return []
+        left = request.params.max_tokens - len(request.output_token_ids) - 1
+        others = sum(self.pool.blocks_for(r.num_tokens) > len(r.block_table) for r in self.running[i + 1:])
+        blocks = len(request.block_table) + self.pool.num_free - others
+        slots = blocks * self.pool.block_size - request.num_computed_tokens - 1
+        return list(drafts[request.request_id][:max(0, min(room, left, slots))])
+
     @staticmethod
-    def _work(request: Request, num_tokens: int, is_prefill: bool) -> ScheduledWork:
+    def _work(request: Request, num_tokens: int, is_prefill: bool, guesses: list[int] | None = None) -> ScheduledWork:
         """Called after the request's blocks are allocated (``num_computed_tokens`` counts any cached prefix)."""
         start = request.num_computed_tokens
+        if guesses:
+            return ScheduledWork(request, num_tokens, is_prefill, start, samples=True, draft_token_ids=guesses)
         return ScheduledWork(request, num_tokens, is_prefill, start, samples=start + num_tokens == request.num_tokens)
 
     def _preempt(self, request: Request) -> None:
@@ -162,15 +189,20 @@ class Scheduler:
         request.metrics.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, tokens: Sequence[int | Sequence[int]]) -> list[Request]:
         """Count each scheduled request's computed tokens and append a new token to those that sampled one.
 
-        ``tokens`` holds one token per work that ``samples``, in order. Returns the requests that finished.
+        ``tokens`` holds one token per work that ``samples``, in order; for a work with guesses, the
+        verified run instead: the guesses kept, then the target's own token. Returns the requests that finished.
         """
         finished = []
         sampled = iter(tokens)
         for work in out.scheduled:
             request = work.request
+            if work.draft_token_ids:
+                if self._update_verified(work, next(sampled)):
+                    finished.append(request)
+                continue
             request.num_computed_tokens += work.num_tokens
             if not work.samples:
                 continue  # a chunk of a prefill: no token until its last chunk
@@ -183,6 +215,27 @@ class Scheduler:
         if next(sampled, None) is not None:
             raise ValueError("more sampled tokens than scheduled requests that sample")
         return finished
+
+    def _update_verified(self, work: ScheduledWork, run: Sequence[int]) -> bool:
+        """Roll a speculative step back to what verification kept; append the run up to any stop. True if finished.
+
+        Of the 1 + k tokens computed, the last verified token and the kept guesses
+        stay in the cache; the slots of rejected guesses are simply forgotten
+        (later tokens overwrite them) and blocks holding nothing else go back.
+        """
+        request, kept = work.request, len(run) - 1
+        if not run or kept > len(work.draft_token_ids) or list(run[:kept]) != work.draft_token_ids[:kept]:
+            raise ValueError(f"a verified run must start with the kept guesses: got {list(run)} for "
+                             f"guesses {work.draft_token_ids}")
+        request.num_computed_tokens = work.start + 1 + kept
+        for token in run:  # token by token: nothing is emitted past a stop
+            request.output_token_ids.append(token)
+            reason = finish_reason(token, len(request.output_token_ids), request.params, self.eos_token_id)
+            if reason:
+                self.finish(request, reason)
+                return True
+        self.kv.keep(request, work.start + 1)
+        return False
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stopped, out of length, or aborted) and give its blocks back."""

@@ -1,0 +1,185 @@
+"""Speculative decoding: guess k tokens cheaply, let the target model check them all in one step.
+
+A decode step reads every weight to produce one token, so it is bound by
+memory, not arithmetic: the same step could score several tokens for about the
+same cost. A *proposer* guesses the next k tokens; the engine feeds the last
+verified token and the k guesses to the target in one forward pass over the
+paged cache and gets logits at all k + 1 positions. *Verification* keeps the
+guesses while the target agrees and adds one token of its own (a correction,
+or a bonus when all k were right), so a step emits between 1 and k + 1 tokens
+and the output is the target's (greedy: token for token; sampled: in
+distribution, by the rejection rule of Leviathan et al. 2023 and Chen et al. 2023).
+
+Proposers here are per request (``propose(token_ids, k)``): the n-gram one is a
+cheap Python search, and the draft model's recompute is simplest correct. A
+batched proposer (one draft forward for the whole batch, with its own cache)
+is the next step for throughput, not for correctness.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .baselines import generate_cached
+from .model import Transformer
+from .params import SamplingParams
+from .sampling import filter_logits
+
+METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How to speculate: ``method`` "ngram" (prompt lookup, no extra model) or "draft" (a second, smaller model)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: guesses per step, so up to k + 1 tokens per step
+    prompt_lookup_max: int = 4       # n-gram: the longest suffix looked up earlier in the sequence
+    prompt_lookup_min: int = 1       # n-gram: the shortest one tried before giving up for this step
+    draft_model: Transformer | None = field(default=None, compare=False, repr=False)  # method "draft"
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValueError(f"num_speculative_tokens must be a positive integer (the guesses per step), got {k!r}: "
+                             "pass e.g. num_speculative_tokens=4, or speculative=None to turn speculation off")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}: use one of {METHODS}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max}): e.g. prompt_lookup_min=1, prompt_lookup_max=4")
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("method 'draft' needs a draft model: pass draft_model=<Transformer with the target's "
+                             "vocabulary>, or use method='ngram'")
+
+
+class Proposer(Protocol):
+    """Guesses the tokens that follow ``token_ids`` (prompt + output so far): at most ``k``, maybe none."""
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class NgramProposer:
+    """Prompt lookup: find the sequence's last n tokens earlier in it and propose what followed them there.
+
+    Tries n from ``max_n`` down to ``min_n`` and takes the most recent earlier
+    match. It costs no model at all and pays off when the output repeats the
+    prompt or itself (code edits, quoting, lists, summaries).
+    """
+
+    max_n: int = 4
+    min_n: int = 1
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        ids = list(token_ids)
+        end = len(ids)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            suffix = ids[end - n:]
+            for i in range(end - n - 1, -1, -1):  # latest match first; it must end before the suffix starts
+                if ids[i] == suffix[0] and ids[i:i + n] == suffix:
+                    return ids[i + n:i + n + k]
+        return []
+
+
+class DraftModelProposer:
+    """A smaller model with the target's vocabulary proposes its own greedy continuation.
+
+    Simplest correct: every proposal recomputes the whole sequence into a fresh
+    contiguous cache (Part I's ``generate_cached``), so no draft state has to be
+    rolled back when the target rejects. A greedy draft is a deterministic
+    proposer: its q is one-hot, which the rejection rule handles exactly.
+    """
+
+    def __init__(self, draft: Transformer, target_vocab_size: int) -> None:
+        if draft.cfg.vocab_size != target_vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
+                             f"target's ({target_vocab_size}): its token ids would mean other tokens; use a draft "
+                             "with the target's tokenizer (e.g. the target itself, quantized)")
+        self.model = draft
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        k = min(k, self.model.cfg.context_length - len(token_ids))
+        if k < 1:
+            return []
+        return generate_cached(self.model, list(token_ids), SamplingParams(temperature=0, max_tokens=k)).token_ids
+
+
+def make_proposer(config: SpeculativeConfig, target: Transformer) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    return DraftModelProposer(config.draft_model, target.cfg.vocab_size)
+
+
+@dataclass
+class SpecStats:
+    """Counters over every verification (a request's step that carried at least one guess)."""
+
+    verifications: int = 0
+    proposed: int = 0  # guesses verified
+    accepted: int = 0  # of them, kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Guesses kept per verification; each verification also emits one token of the target's own."""
+        return self.accepted / self.verifications if self.verifications else 0.0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.verifications += 1
+        self.proposed += proposed
+        self.accepted += accepted
+
+
+def accept_greedy(drafts: Sequence[int], target: Sequence[int]) -> list[int]:
+    """Keep guesses while they equal the target's argmax; then add the target's own token.
+
+    ``target`` holds the argmax at each of the ``len(drafts) + 1`` positions.
+    """
+    a = 0
+    while a < len(drafts) and drafts[a] == target[a]:
+        a += 1
+    return list(drafts[:a]) + [target[a]]
+
+
+def rejection_sample(logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams,
+                     generator: torch.Generator | None = None,
+                     draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Verify guesses by sampling: returns [accepted count, next token] as a tensor on the logits' device.
+
+    logits: [k + 1, V] the target's at the guesses' positions (and one past);
+    ``draft_probs`` [k, V] the proposer's q (None: a deterministic proposer,
+    q one-hot). Guess x_i is kept with probability min(1, p(x_i) / q(x_i));
+    at the first rejection the token is drawn from norm(max(0, p - q)),
+    after k acceptances from p at the last position. That makes each emitted
+    token distributed exactly as p, the target's (filtered) distribution.
+    Nothing here waits for the device: the engine brings all results over at once.
+    """
+    k = len(drafts)
+    probs = filter_logits(logits, params).softmax(dim=-1)  # [k + 1, V]: what plain sampling would draw from
+    guess = torch.tensor(list(drafts), device=logits.device)[:, None]
+    p = probs[:k].gather(1, guess).squeeze(1)
+    if draft_probs is None:
+        ratio = p
+        residual = probs[:k].scatter(1, guess, 0.0)  # max(0, p - onehot): p without the guess
+    else:
+        ratio = p / draft_probs.float().gather(1, guess).squeeze(1)
+        residual = (probs[:k] - draft_probs.float()).clamp(min=0)
+    u = torch.rand(k, generator=generator, device=logits.device)
+    accepted = (u < ratio).long().cumprod(0).sum()
+    # A residual of all zeros (p == q) is never drawn from, since then the guess is always kept; give
+    # multinomial a valid row there. One candidate per position, the accepted count picks which one counts.
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    candidates = torch.cat([torch.where(empty, probs[:k], residual), probs[k:]])
+    choice = torch.multinomial(candidates, 1, generator=generator).squeeze(1)
+    return torch.stack([accepted, choice.gather(0, accepted[None])[0]])
+
+
+__all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "DraftModelProposer", "SpecStats",
+           "make_proposer", "accept_greedy", "rejection_sample"]
