@@ -12,6 +12,9 @@ peak, memory bandwidth) so the engine can be placed against its limits.
 with the same workload, as one more system. The ``serve`` section starts our
 own server on the same engine config and compares its throughput under
 concurrent streams with the offline engine's: the cost of HTTP and SSE.
+The ``spec_decode`` section runs the engine with and without n-gram
+speculation (chapter 12), the ``quant`` section the int8 and int4 models
+against the float one (chapter 11): speed ratios and perplexity.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from .model import Transformer
 from .outputs import RequestOutput
 from .params import SamplingParams
 from .scheduler import SchedulerConfig
+from .speculative import SpeculativeConfig, SpecStats
 from .tokenizer import Tokenizer
 from .weights import DEFAULT_MODEL, load_model
 
@@ -406,6 +410,138 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
             "texts_equal": _same_texts(served, offline), "note": served.note}
 
 
+# --- speculative decoding and quantization ----------------------------------------------
+
+def decode_seconds(token_times: list[list[float]]) -> float:
+    """Seconds during which some request was decoding: the union of each request's [first token, last token].
+
+    One request at a time, that is the sum of their decode spans; a batch
+    decoding together counts its shared time once. Prefill (before a request's
+    first token) and gaps between requests are left out, with or without speculation alike.
+    """
+    spans = sorted((t[0], t[-1]) for t in token_times if len(t) > 1)
+    total, end = 0.0, -float("inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+@dataclass
+class SpecRun:
+    """One engine run of a prompt set: its greedy texts, decode speed and guess counters."""
+
+    texts: list[str]
+    decode_tok_per_s: float
+    stats: SpecStats
+
+
+def run_spec(model: Transformer, tok: Tokenizer, prompts: list[list[int]], max_tokens: int, batch: int,
+             speculative: SpeculativeConfig | None) -> SpecRun:
+    """All ``prompts`` through one engine, at most ``batch`` running at once (1: one request at a time), greedy."""
+    config = EngineConfig(speculative=speculative, scheduler=SchedulerConfig(max_num_seqs=batch))
+    engine = Engine(model, tok, config)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    ids = [engine.add_request(p, params) for p in prompts]
+    finals: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        finals |= {out.request_id: out for out in engine.step() if out.finished}
+    _sync(model)
+    outs = [finals[i] for i in ids]
+    times = [o.metrics.token_times for o in outs]
+    decoded = sum(len(t) - 1 for t in times)
+    return SpecRun([o.outputs[0].text for o in outs], decoded / decode_seconds(times), engine.spec_stats)
+
+
+def _spec_compare(model: Transformer, tok: Tokenizer, prompts: list[list[int]], max_tokens: int, batch: int,
+                  spec: SpeculativeConfig) -> tuple[SpecRun, SpecRun]:
+    """The same prompts without, then with speculation."""
+    return (run_spec(model, tok, prompts, max_tokens, batch, None),
+            run_spec(model, tok, prompts, max_tokens, batch, spec))
+
+
+def _spec_figures(plain: SpecRun, spec: SpecRun) -> dict:
+    return {"speedup": spec.decode_tok_per_s / plain.decode_tok_per_s, "tok_per_s": spec.decode_tok_per_s,
+            "tok_per_s_plain": plain.decode_tok_per_s, "acceptance": spec.stats.acceptance_rate,
+            "mean_accepted_length": spec.stats.mean_accepted_length, "proposed": spec.stats.proposed,
+            "accepted": spec.stats.accepted,
+            "texts_equal": sum(a == b for a, b in zip(plain.texts, spec.texts)) / len(plain.texts)}
+
+
+def extractive_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
+    """Chats that ask the model to copy a passage of the shipped Shakespeare: what prompt lookup is made for."""
+    from .quant import shakespeare
+
+    lines = [line.strip() for line in shakespeare().splitlines() if len(line.split()) >= 4]
+    return [_chat(tok, "Repeat this passage exactly, word for word:\n\n" + "\n".join(lines[6 * i:6 * i + 6]))
+            for i in range(n)]
+
+
+def spec_decode_effect(model: Transformer, tok: Tokenizer, quick: bool, k: int) -> dict:
+    """Decode speed with n-gram speculation ÷ without, greedy, same prompts and max_tokens.
+
+    Batch 1 (one request at a time) on the seed workload's chats, the honest
+    case; the same on extractive prompts (copy a passage), the favourable one;
+    and at batch 8, where a plain step is no longer bound by reading the
+    weights, so the extra verified rows cost more and the gain shrinks.
+    """
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    n, new, new8, n_ext = (2, 24, 12, 1) if quick else (8, 128, 64, 4)
+    chats = [_chat(tok, q) for q in QUESTIONS[:max(n, 8)]]
+    copy = extractive_prompts(tok, n_ext)
+    for cfg in (None, spec):  # one-off costs out of the measurement: a short run of each, guesses included
+        run_spec(model, tok, copy[:1], 6, 1, cfg)
+    plain, fast = _spec_compare(model, tok, chats[:n], new, 1, spec)
+    b1 = _spec_figures(plain, fast)
+    plain8, fast8 = _spec_compare(model, tok, chats[:8], new8, 8, spec)
+    b8 = _spec_figures(plain8, fast8)
+    ext_plain, ext_fast = _spec_compare(model, tok, copy, new, 1, spec)
+    extractive = _spec_figures(ext_plain, ext_fast)
+    return {"speedup_b1": b1.pop("speedup"), **b1, "k": k, "method": "ngram", "prompts": n, "max_tokens": new,
+            "speedup_b8": b8["speedup"], "texts_equal_b8": b8["texts_equal"], "acceptance_b8": b8["acceptance"],
+            "extractive": {"speedup_b1": extractive.pop("speedup"), **extractive, "prompts": n_ext},
+            "note": "seed-workload chats, greedy, stop at EOS; n-gram lookup finds little to copy in a chat "
+                    "answer, so its gain there is small: 'extractive' (copy a passage) is the case it is made for"}
+
+
+def quant_effect(model: Transformer, tok: Tokenizer, quick: bool, kernel: str = "auto") -> dict:
+    """int8 and int4 against the model as loaded: single-stream decode tok/s ratio and perplexity change.
+
+    Perplexity is on the shipped Shakespeare (its first 256 tokens quick, 2048
+    full), decode speed from :func:`quant.decode_tokens_per_second`. ``ppl_delta``
+    is relative (0.006 = +0.6%). ``kernels``: what ``quantize`` chose per weight shape.
+    """
+    from . import quant
+
+    ppl_tokens, new = (256, 8) if quick else (2048, 64)
+
+    def figures(m: Transformer) -> dict:
+        return {"ppl": quant.perplexity(m, tok, max_tokens=ppl_tokens).perplexity,
+                "tok_per_s": quant.decode_tokens_per_second(m, tok, max_tokens=new),
+                "bytes_per_param": quant.linear_bytes_per_param(m), "weight_bytes": quant.weight_bytes(m)}
+
+    quant.decode_tokens_per_second(model, tok, max_tokens=2)  # warm-up
+    base = figures(model)
+    report: dict = {"float": {**base, "dtype": str(model.dtype).removeprefix("torch.")}, "kernel": kernel,
+                    "ppl_tokens": ppl_tokens, "decode_tokens": new,
+                    "note": "kernels chosen by timing the candidates per weight shape" if kernel == "auto" else
+                            f"kernel {kernel!r} everywhere (not timed against the others: run with "
+                            "--quant-kernel auto, the full run's default, for the fastest exact kernels)"}
+    for fmt in ("int8", "int4"):
+        start = time.perf_counter()
+        q = quant.quantize(model, fmt, kernel)
+        took = time.perf_counter() - start
+        quant.decode_tokens_per_second(q, tok, max_tokens=2)  # warm-up
+        row = figures(q)
+        report[fmt] = {**row, "tok_per_s_ratio": row["tok_per_s"] / base["tok_per_s"],
+                       "ppl_delta": row["ppl"] / base["ppl"] - 1, "quantize_s": took,
+                       "kernels": {f"{shape[0]}x{shape[1]}": name
+                                   for (_, shape), name in sorted(q.quant_info.kernels.items())}}
+        del q
+    return report
+
+
 def latency_curve(model: Transformer, tok: Tokenizer, rates: list[float], config: EngineConfig,
                   quick: bool = True) -> list[dict]:
     """The engine on the ``poisson`` workload at each arrival rate: throughput against latency."""
@@ -660,8 +796,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=32, help="streams in flight at most, for --endpoint and serve")
     ap.add_argument("--no-serve", action="store_true",
                     help="skip the serve section (our server vs the offline engine, same workload)")
+    ap.add_argument("--no-spec-decode", action="store_true",
+                    help="skip the spec_decode section (n-gram speculation vs plain decoding)")
+    ap.add_argument("--spec-k", type=int, default=4, help="guesses per step in the spec_decode section")
+    ap.add_argument("--no-quant", action="store_true", help="skip the quant section (int8 and int4 vs float)")
+    ap.add_argument("--quant-kernel", default=None,
+                    help="the kernel quantize() uses: auto (time the candidates per weight shape; the default "
+                         "in full runs) or a name from enginelib.quant.KERNELS; --quick defaults to reference, "
+                         "since timing the candidates takes about 10 s per format on a 2-core CPU")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     args = ap.parse_args(argv)
+    if args.spec_k < 1:
+        ap.error(f"--spec-k must be at least 1 (guesses per step), got {args.spec_k}")
+    if args.quant_kernel is None:
+        args.quant_kernel = "reference" if args.quick else "auto"
+    from .quant import KERNELS
+
+    if args.quant_kernel not in ("auto", *KERNELS):
+        ap.error(f"unknown --quant-kernel {args.quant_kernel!r}; choose from auto, {', '.join(KERNELS)}")
 
     systems = tuple(args.systems.split(","))
     if args.endpoint and ENDPOINT not in systems:
@@ -749,6 +901,14 @@ def _measure(args: argparse.Namespace, systems: tuple[str, ...], served: str | N
         if args.no_pack:
             report["serve"]["note"] += "; the server packs its linears (serve has no --no-pack)"
     report["ratios"]["single_stream_vs_hf"] = report.pop("_single_stream_vs_hf")
+    if not args.no_spec_decode:
+        start = time.perf_counter()
+        report["spec_decode"] = spec_decode_effect(model, tok, args.quick, args.spec_k)
+        report["spec_decode"]["seconds"] = time.perf_counter() - start
+    if not args.no_quant:
+        start = time.perf_counter()
+        report["quant"] = quant_effect(model, tok, args.quick, args.quant_kernel)
+        report["quant"]["seconds"] = time.perf_counter() - start
     engine_outputs = first["engine"].outputs if "engine" in first else None
     wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
     if engine_outputs:
@@ -867,6 +1027,20 @@ def _print_summary(report: dict) -> None:
               f"{_fmt(s['ttft_p50'], 1e3, 0)} ms, p99 {_fmt(s['ttft_p99'], 1e3, 0)} ms; TPOT p50 "
               f"{_fmt(s['tpot_p50'], 1e3, 0)} ms, p99 {_fmt(s['tpot_p99'], 1e3, 0)} ms; "
               f"{_fmt(s['texts_equal'], 100, 0)}% of texts equal the offline engine's")
+    if "spec_decode" in report:
+        d = report["spec_decode"]
+        e = d["extractive"]
+        print(f"spec decode (ngram, k={d['k']}): {d['speedup_b1']:.2f}x at batch 1 on chats (acceptance "
+              f"{d['acceptance']:.0%}, {d['mean_accepted_length']:.2f} kept per check), {d['speedup_b8']:.2f}x at "
+              f"batch 8, {e['speedup_b1']:.2f}x copying a passage (acceptance {e['acceptance']:.0%}); "
+              f"{d['texts_equal']:.0%} of texts equal plain greedy's")
+    if "quant" in report:
+        q = report["quant"]
+        for fmt in ("int8", "int4"):
+            r = q[fmt]
+            print(f"{fmt}: {r['bytes_per_param']:.2f} bytes/param, {r['weight_bytes'] / 2**20:.0f} MiB, decode "
+                  f"{r['tok_per_s_ratio']:.2f}x float, perplexity {r['ppl']:.2f} ({r['ppl_delta']:+.1%}), "
+                  f"kernels {', '.join(sorted(set(r['kernels'].values())))}")
     if "kv_waste" in report:
         w, c = report["kv_waste"], report["concurrency"]
         print(f"KV waste: paged {w['paged']:.1%} vs reserve-{w['max_len']} {w['contiguous']:.1%}; "

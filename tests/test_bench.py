@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -16,6 +17,11 @@ SCHEMA = [
     "prefix_cache.ttft_ratio", "prefix_cache.hit_rate", "chunked_prefill.tpot_p99_ratio",
     "serve.throughput_ratio", "serve.server_tok_per_s", "serve.offline_tok_per_s", "serve.concurrency",
     "serve.ttft_p50", "serve.ttft_p99", "serve.tpot_p50", "serve.tpot_p99",
+    "spec_decode.speedup_b1", "spec_decode.acceptance", "spec_decode.mean_accepted_length", "spec_decode.k",
+    "spec_decode.tok_per_s", "spec_decode.tok_per_s_plain", "spec_decode.texts_equal", "spec_decode.speedup_b8",
+    "spec_decode.extractive.speedup_b1", "spec_decode.extractive.acceptance",
+    *(f"quant.{fmt}.{key}" for fmt in ("int8", "int4") for key in
+      ("tok_per_s_ratio", "ppl_delta", "ppl", "bytes_per_param", "weight_bytes", "kernels")),
 ]
 
 
@@ -46,6 +52,22 @@ def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
     assert serve["throughput_ratio"] == pytest.approx(serve["server_tok_per_s"] / serve["offline_tok_per_s"])
     assert 0 < serve["ttft_p50"] <= serve["ttft_p99"] and 0 < serve["tpot_p50"] <= serve["tpot_p99"]
     assert serve["texts_equal"] > 0.5, "greedy: the server says what the offline engine says (near-ties aside)"
+    spec = report["spec_decode"]  # n-gram speculation vs plain, greedy: the very same texts, at any batch size
+    assert spec["k"] == 4 and spec["texts_equal"] == spec["texts_equal_b8"] == spec["extractive"]["texts_equal"] == 1.0
+    for figures in (spec, spec["extractive"]):
+        assert figures["speedup_b1"] > 0 and math.isfinite(figures["speedup_b1"])
+        assert 0 <= figures["acceptance"] <= 1 and 0 <= figures["mean_accepted_length"] <= spec["k"]
+        assert figures["speedup_b1"] == pytest.approx(figures["tok_per_s"] / figures["tok_per_s_plain"])
+    assert spec["speedup_b8"] > 0 and math.isfinite(spec["speedup_b8"])
+    assert spec["extractive"]["acceptance"] > 0, "copying a passage: prompt lookup must find some guesses"
+    quant = report["quant"]
+    for fmt, bits in (("int8", 8), ("int4", 4)):
+        row = quant[fmt]
+        assert row["tok_per_s_ratio"] > 0 and math.isfinite(row["tok_per_s_ratio"])
+        assert row["ppl_delta"] == pytest.approx(row["ppl"] / quant["float"]["ppl"] - 1)
+        assert -0.5 < row["ppl_delta"] < 0.5, f"{fmt} perplexity {row['ppl']} far from float's {quant['float']['ppl']}"
+        assert bits / 8 <= row["bytes_per_param"] < quant["float"]["bytes_per_param"]  # scales and minimums on top
+        assert 0 < row["weight_bytes"] < quant["float"]["weight_bytes"] and row["kernels"]
 
 
 def test_workloads_are_deterministic(real):
@@ -77,3 +99,17 @@ def test_the_latency_curve_has_a_row_per_rate(real):
     rows = bench.latency_curve(model, tok, [50.0, 100.0], EngineConfig(), quick=True)
     assert [r["rate"] for r in rows] == [50.0, 100.0]
     assert all(r["tok_per_s"] > 0 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0 for r in rows)
+
+
+def test_decode_seconds_counts_shared_time_once():
+    assert bench.decode_seconds([[0.0, 1.0], [2.0, 2.5]]) == pytest.approx(1.5)  # one at a time: the sum
+    assert bench.decode_seconds([[0.0, 2.0], [1.0, 3.0], [1.5, 1.6]]) == pytest.approx(3.0)  # a batch: the union
+    assert bench.decode_seconds([[5.0], [1.0, 1.0]]) == 0.0  # a single token has no decode time
+
+
+@pytest.mark.parametrize("flags, message", [(["--spec-k", "0"], "--spec-k must be at least 1"),
+                                            (["--quant-kernel", "fast"], "unknown --quant-kernel")])
+def test_bad_section_flags_say_what_to_change(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--no-serve", *flags])
+    assert message in capsys.readouterr().err
