@@ -1,6 +1,7 @@
 """Where the model runs: device, dtype and CPU threads, chosen in one place."""
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -89,6 +90,25 @@ def can_pack(model: nn.Module) -> bool:
     weight = next(model.parameters())
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def unpack_linears(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with plain ``nn.Linear`` where it has :class:`PackedLinear`, sharing every weight.
+
+    For ``torch.compile``: it cannot trace oneDNN's packed tensors, and on a CPU
+    inductor packs the weights itself. Only the module objects are new.
+    """
+    if not any(isinstance(m, PackedLinear) for m in model.modules()):
+        return model
+    shared = [*model.parameters(), *model.buffers(), *(m.packed for m in model.modules() if isinstance(m, PackedLinear))]
+    plain = copy.deepcopy(model, {id(t): t for t in shared})
+    for module in list(plain.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, PackedLinear):
+                linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                linear.weight, linear.bias = child.weight, child.bias
+                setattr(module, name, linear)
+    return plain
 
 
 def pack_linears(model: nn.Module) -> int:

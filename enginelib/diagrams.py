@@ -399,3 +399,90 @@ def paged_attention_flow(block_size: int = 4, tables: BlockTables | None = None,
               frameon=False)
     ax.set_title(title or "Paged attention: a block table maps each request's logical blocks to physical ones")
     return fig
+
+
+# --- 5. speculative decoding: one propose-and-verify step ----------------------------------------
+
+MAX_SPEC_GUESSES = 12   # k: more columns than that stop being legible
+MAX_SPEC_CONTEXT = 8    # context tokens drawn before the step (the rest is "...")
+ACCEPTED, REJECTED, DISCARDED, TARGET = GREEN, VERMILLION, MASKED, BLUE
+
+
+def speculative_step(context: Sequence[str], guesses: Sequence[str], target: Sequence[str], ax: Axes | None = None,
+                     *, title: str | None = None) -> Figure:
+    """One step of speculative decoding, as a grid: what the target is fed, what it predicts, what comes out.
+
+    ``context`` is the text so far (its last token not yet in the KV cache),
+    ``guesses`` the k proposed tokens and ``target`` the target model's argmax
+    after each fed token: k + 1 predictions, one per position from the first
+    guess's to one past the last. Guesses are kept while they equal the target's
+    prediction for their position; the first mismatch is replaced by the
+    target's token (a *correction*); if all k match, the target's last
+    prediction is a free *bonus* token. Everything after a mismatch is discarded.
+    """
+    k = len(guesses)
+    if not 1 <= k <= MAX_SPEC_GUESSES:
+        raise ValueError(f"give 1 to {MAX_SPEC_GUESSES} guesses to stay legible, got {k}")
+    if len(target) != k + 1:
+        raise ValueError(f"target must hold k + 1 = {k + 1} predictions (one after each fed token), got {len(target)}")
+    if not context:
+        raise ValueError("context must hold at least one token: the last one is fed with the guesses")
+    accepted = 0
+    while accepted < k and guesses[accepted] == target[accepted]:
+        accepted += 1
+    shown = list(context[-MAX_SPEC_CONTEXT:])
+    clipped = len(context) > len(shown)
+    c = len(shown)  # column of the first guess; the last context token sits at column c - 1
+    columns = c + k + 1
+    longest = max(len(_cell_label(t)) for t in [*shown, *guesses, *target])
+    width = max(0.75, 0.08 * longest + 0.25)
+    fig, ax = _figure_and_axes(ax, figsize=(max(7.0, width * columns + 3.2), 3.4))
+
+    def cell(col: int, row: int, text: str, color: str, *, edge: str | None = None, dark: bool = False) -> None:
+        ax.add_patch(Rectangle((col * width, row), width * 0.94, 0.8, facecolor=color,
+                               edgecolor=edge or color, linewidth=1.0))
+        ax.text(col * width + width * 0.47, row + 0.4, _cell_label(text), ha="center", va="center", fontsize=8,
+                color="white" if dark else "black")
+
+    # Row 0: the context (in the cache), then the last token and the k guesses, fed in one forward pass.
+    for i, t in enumerate(shown):
+        fed = i == c - 1
+        cell(i, 0, t, SKY if fed else "white", edge="#999999")
+    for i, g in enumerate(guesses):
+        color = ACCEPTED if i < accepted else REJECTED if i == accepted else DISCARDED
+        cell(c + i, 0, g, color, dark=color in (ACCEPTED, REJECTED))
+    # Row 1: the target's prediction for each position (after the token to its left).
+    for i, t in enumerate(target):
+        verified = i <= accepted
+        cell(c + i, 1, t, "white" if verified else DISCARDED, edge=TARGET if verified else "#999999")
+        mark = "" if i == k else "=" if i < accepted else "≠" if i == accepted else ""
+        if mark:
+            ax.text((c + i) * width + width * 0.47, 0.9, mark, ha="center", va="center", fontsize=FONT,
+                    color=ACCEPTED if mark == "=" else REJECTED, fontweight="bold")
+    # Row 2: the tokens this step emits: the kept guesses, then the target's own token.
+    for i in range(accepted):
+        cell(c + i, 2, guesses[i], ACCEPTED, dark=True)
+    cell(c + accepted, 2, target[accepted], TARGET, dark=True)
+    kind = "bonus" if accepted == k else "correction"
+    ax.text((c + accepted) * width + width * 0.47, 2.95, kind, ha="center", va="top", fontsize=8, color=TARGET)
+    if clipped:
+        ax.text(-0.1, 0.4, "…", ha="right", va="center", fontsize=FONT)
+    ax.set_yticks([0.4, 1.4, 2.4], ["fed to the target\n(one forward pass)", "target's argmax\nat each position",
+                                    f"emitted: {accepted + 1} token{'s' if accepted else ''}"], fontsize=FONT)
+    ax.set_xticks([(c - 1) * width + width * 0.47, (c + k / 2) * width],
+                  ["last token", f"k = {k} guesses (+1 position)"], fontsize=8)
+    ax.xaxis.tick_top()
+    ax.set_xlim(-0.3, columns * width + 0.1)
+    ax.set_ylim(3.1, -0.2)
+    ax.tick_params(length=0)
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.legend(handles=[Patch(facecolor="white", edgecolor="#999999", label="context, already in the KV cache"),
+                       Patch(color=SKY, label="last token (fed)"),
+                       Patch(color=ACCEPTED, label="guess accepted"), Patch(color=REJECTED, label="guess rejected"),
+                       Patch(color=DISCARDED, label="discarded (after a rejection)"),
+                       Patch(color=TARGET, label="target's own token")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=FONT, frameon=False)
+    ax.set_title(title or f"One speculative step: {accepted} of {k} guesses accepted, {accepted + 1} tokens emitted",
+                 pad=18)
+    return fig

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
@@ -18,6 +19,7 @@ from torch.profiler import record_function
 
 from .batch import Batch, SequenceWork
 from .block_pool import BlockPool, PoolStats
+from .compiled import CompileConfig, CompiledDecoder, CompileReport, compile_unavailable
 from .device import free_gpu_memory
 from .kv_cache import PagedKVCache
 from .kv_manager import KVCacheManager, PrefixCacheStats
@@ -44,6 +46,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # seats, token budget, chunked prefill
     record: bool = False                # keep a StepRecord per step (for timelines and block maps)
     speculative: SpeculativeConfig | None = None  # guess tokens and verify them in one step (chapter 12); off: None
+    compile: CompileConfig | None = None  # decode steps through torch.compile, per batch-size bucket; off: None (eager)
 
     @classmethod
     def from_args(cls, **args) -> "EngineConfig":
@@ -112,6 +115,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, tokenizer.eos_token_id)
         self.proposer: Proposer | None = None if config.speculative is None else make_proposer(config.speculative, model)
         self.spec_stats = SpecStats()  # proposed / accepted guesses (all zero without speculation)
+        self.compiled, self.compile_report = self._compile(config.compile)
         self.history: list[StepRecord] = []
         self.steps = 0
         self._live: dict[str, _Live] = {}                       # unfinished requests
@@ -126,6 +130,25 @@ class Engine:
         if self.model.device.type == "cuda":  # free memory counts what PyTorch caches but no tensor holds
             return int(free_gpu_memory(self.model.device) * self.config.gpu_memory_fraction)
         return DEFAULT_CPU_KV_MEMORY
+
+    def _compile(self, config: CompileConfig | None) -> tuple[CompiledDecoder | None, CompileReport | None]:
+        """Build the compiled decode step for every bucket now, or say why the engine stays eager."""
+        if config is None:
+            return None, None
+        reason = compile_unavailable(self.model.device)
+        if reason and config.fallback:
+            warnings.warn(f"{reason}; the engine runs eagerly", RuntimeWarning, stacklevel=3)
+            return None, None
+        decoder = CompiledDecoder(self.model, config)  # raises ValueError with the reason when it cannot compile
+        try:
+            return decoder, decoder.compile(self.cache)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # e.g. the C++ compiler rejected inductor's code
+            inner = e.inner_exception
+            message = f"torch.compile failed: {type(inner).__name__}: {str(inner).strip()[:300]}"
+            if not config.fallback:
+                raise ValueError(f"{message} (CompileConfig(fallback=True) runs eagerly instead)") from e
+            warnings.warn(f"{message}; the engine runs eagerly", RuntimeWarning, stacklevel=3)
+            return None, None
 
     # --- requests in and out -------------------------------------------------------------
 
@@ -239,8 +262,11 @@ class Engine:
                     for w in plan.scheduled]
             batch = Batch.build(seqs, self.pool.block_size, self.model.device)
         with record_function("forward"):  # a step of prefill chunks only has no rows of logits
-            logits = self.model(batch.token_ids, self.cache.bind(batch), positions=batch.positions,
-                                logits_indices=batch.logits_indices)
+            if self.compiled is not None and self.compiled.serves(batch):
+                logits = self.compiled(batch, self.cache)
+            else:
+                logits = self.model(batch.token_ids, self.cache.bind(batch), positions=batch.positions,
+                                    logits_indices=batch.logits_indices)
         with record_function("sample"):
             # Every row is sampled on the device first (greedy rows by argmax, the others with their own
             # generators), then one transfer brings the whole step's tokens to the host: one sync per step.

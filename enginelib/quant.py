@@ -9,8 +9,9 @@ them in fewer bytes is the main lever. Each format here has two parts:
 - **kernels** that multiply activations by a stored weight. ``reference``
   dequantizes and calls ``F.linear``: the few lines a chapter writes by hand, and
   the oracle every faster kernel is compared with. The others are library ops
-  (torch's weight-only int8/int4 matmuls, fbgemm's int8 GEMM), whose speed
-  depends on the device and the shape, so ``kernel="auto"`` *measures* them on
+  (torch's weight-only int8/int4 matmuls, fbgemm's int8 GEMM) and our own C++
+  loop (``cpp``, :mod:`enginelib.cpu_kernels`), whose speed depends on the
+  device and the shape, so ``kernel="auto"`` *measures* them on
   each distinct weight shape and keeps the fastest that matches the reference
   (fastest: least time per token at batch 1 plus per token at batch 32).
 
@@ -26,10 +27,14 @@ What the measurements say depends on the machine, so ``quant_info`` keeps them.
 On an AVX2 CPU without VNNI (torch 2.13), torch's weight-only int8/int4 ops are
 slower than float32's matmul, and fbgemm's fast int8 GEMM, which also rounds the
 activations to 8 bits, errs by several percent on this model's real activations
-(outlier channels) and loses its perplexity: ``auto`` rejects it, and the
-formats buy memory, not speed, until a kernel that reads packed weights in
-a fused loop (llama.cpp's, a custom op) is added. On CUDA the reference,
-``native`` half matmuls and ``int8pack`` run (checked on an H200 with torch 2.11).
+(outlier channels) and loses its perplexity: ``auto`` rejects it. So the
+``cpp`` kernel is our own (:mod:`enginelib.cpu_kernels`, built on first use with
+the machine's C++ compiler): one fused loop that reads the int8/int4 bytes,
+dequantizes them in vector registers and multiply-adds in float32 (on the
+2-core AVX2 machine the book was measured on, ``auto`` chose it for every int8
+and int4 shape).
+On CUDA the reference, ``native`` half matmuls and ``int8pack`` run (checked on
+an H200 with torch 2.11).
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .model import Transformer
 
 FORMATS = ("int8", "int4", "float16", "bfloat16")
@@ -273,6 +279,19 @@ def _int4pack_unprepare(p: _Int4Packed) -> QuantizedWeight:
                        "quantize with kernel='reference' to keep the stored form")
 
 
+def _cpp_int8(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    return cpu_kernels.int8_linear(x.float().contiguous(), qw.data.contiguous(), qw.scale.contiguous()).to(x.dtype)
+
+
+def _cpp_int4(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    return cpu_kernels.int4_linear(x.float().contiguous(), qw.data.contiguous(), qw.scale.contiguous(),
+                                   qw.minimum.contiguous()).to(x.dtype)
+
+
+def _cpp_run(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    return _cpp_int8(x, qw) if qw.fmt == "int8" else _cpp_int4(x, qw)
+
+
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("reference", FORMATS, ("cpu", "cuda"), _same, _reference, _same,
            doc="dequantize, then F.linear: the oracle"),
@@ -284,6 +303,8 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            doc="fbgemm's dynamic int8 linear: activations rounded to int8 per row, integer GEMM"),
     Kernel("int4pack", ("int4",), ("cpu",), _int4pack_prepare, _int4pack_run, _int4pack_unprepare,
            doc="torch._weight_int4pack_mm_for_cpu: weight-only int4, groups of 32"),
+    Kernel("cpp", ("int8", "int4"), ("cpu",), _same, _cpp_run, _same,
+           doc="enginelib.cpu_kernels: our C++ loop, codes dequantized in AVX2 registers, float32 accumulation"),
 )}
 
 
@@ -302,6 +323,8 @@ def kernel_unavailable(name: str, fmt: str, shape: tuple[int, int], device: torc
         return "this torch build has no torch._weight_int8pack_mm"
     if name == "int4pack" and (not hasattr(torch, "_weight_int4pack_mm_for_cpu") or n % 32):
         return "torch._weight_int4pack_mm_for_cpu is missing, or the output size is not a multiple of 32"
+    if name == "cpp":  # builds the kernels the first time it is asked (then cached on disk)
+        return cpu_kernels.unavailable()
     return None
 
 
@@ -424,6 +447,9 @@ class QuantInfo:
     kernel: str
     kernels: dict[tuple[str, tuple[int, int]], str] = field(default_factory=dict)
     timings: list[KernelTiming] = field(default_factory=list)
+    # ``auto``: kernels written for these formats on this device that could not run, and why
+    # (e.g. ``cpp`` when no C++ compiler is installed), so a missing speed-up is explained
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
@@ -495,6 +521,11 @@ def quantize(model: Transformer, fmt: str, kernel: str = "auto", *, head: str | 
         for key, candidates in rows.items():
             info.kernels[key] = choose(candidates, tolerance).kernel
             info.timings += candidates
+            for name, k in KERNELS.items():
+                if key[0] in k.formats and device.type in k.devices and name not in info.skipped:
+                    reason = kernel_unavailable(name, *key, device)
+                    if reason:
+                        info.skipped[name] = reason
     else:
         for _, _, _, _, qw in layers:
             reason = kernel_unavailable(kernel, qw.fmt, qw.shape, device)

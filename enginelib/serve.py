@@ -399,6 +399,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--compile", action="store_true",
+                   help="decode steps through torch.compile (compiled at start-up, one graph per batch size)")
+    p.add_argument("--compile-batch-sizes", type=lambda s: tuple(int(b) for b in s.split(",")), default=None,
+                   help="comma-separated decode batch sizes to compile (default: 1,2,4,8,16,32)")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="waiting requests past which new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
@@ -409,19 +415,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def engine_config(args: argparse.Namespace) -> "EngineConfig":
+    """The EngineConfig the flags describe; a bad speculative or compile setting is a ValueError naming the flag."""
+    from .compiled import CompileConfig
+    from .engine import EngineConfig
+    from .speculative import SpeculativeConfig
+
+    speculative = compile_config = None
+    if args.speculative_config is not None:
+        spec = args.speculative_config
+        if not isinstance(spec, dict) or spec.get("method", "ngram") != "ngram":
+            raise ValueError(f"--speculative-config must be a JSON object with method 'ngram' (a draft model is "
+                             f"not served from the command line), got {spec!r}")
+        try:
+            speculative = SpeculativeConfig(**spec)
+        except TypeError as e:
+            raise ValueError(f"--speculative-config: {e}; its keys are method, num_speculative_tokens, "
+                             "prompt_lookup_max and prompt_lookup_min") from e
+    if args.compile or args.compile_batch_sizes:
+        compile_config = CompileConfig(**({"batch_sizes": args.compile_batch_sizes} if args.compile_batch_sizes else {}))
+    return EngineConfig.from_args(block_size=args.block_size, num_blocks=args.num_blocks,
+                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_prefix_caching=args.enable_prefix_caching,
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
+                                  speculative=speculative, compile=compile_config)
+
+
 def make_engine(args: argparse.Namespace) -> AsyncEngine:
     import torch
 
     from .device import DTYPES
-    from .engine import Engine, EngineConfig
+    from .engine import Engine
     from .weights import load_model
 
     dtype = DTYPES[args.dtype] if args.dtype else None
+    config = engine_config(args)  # first: a bad flag fails before the model loads
     model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, progress=False)
-    config = EngineConfig.from_args(block_size=args.block_size, num_blocks=args.num_blocks,
-                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                    enable_prefix_caching=args.enable_prefix_caching,
-                                    enable_chunked_prefill=args.enable_chunked_prefill)
     torch.set_grad_enabled(False)
     return AsyncEngine(Engine(model, tokenizer, config), max_waiting=args.max_waiting, threads=args.threads)
 

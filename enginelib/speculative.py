@@ -120,7 +120,7 @@ class SpecStats:
 
     verifications: int = 0
     proposed: int = 0  # guesses verified
-    accepted: int = 0  # of them, kept
+    accepted: int = 0  # of them, agreed with by the target (a stop inside the run may still drop some)
 
     @property
     def acceptance_rate(self) -> float:

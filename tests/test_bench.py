@@ -13,7 +13,9 @@ SCHEMA = [
     "systems.kv_cache.tok_per_s", "ratios.engine_vs_naive", "ratios.engine_vs_static",
     "ratios.engine_vs_hf_static", "ratios.single_stream_vs_hf", "single_stream_roofline_frac",
     "mfu_decode_b32", "kv_waste.paged", "kv_waste.contiguous", "concurrency_ratio",
-    "machine.torch", "machine.threads", "machine.device", "machine.dtype",
+    "machine.torch", "machine.threads", "machine.device", "machine.dtype", "machine.formats.engine",
+    "machine.formats.llama_cpp", "ratios.engine_vs_llama_cpp", "ratios.single_stream_vs_llama_cpp",
+    "ratios.decode_b32_vs_llama_cpp",
     "prefix_cache.ttft_ratio", "prefix_cache.hit_rate", "chunked_prefill.tpot_p99_ratio",
     "serve.throughput_ratio", "serve.server_tok_per_s", "serve.offline_tok_per_s", "serve.concurrency",
     "serve.ttft_p50", "serve.ttft_p99", "serve.tpot_p50", "serve.tpot_p99",
@@ -22,6 +24,8 @@ SCHEMA = [
     "spec_decode.extractive.speedup_b1", "spec_decode.extractive.acceptance",
     *(f"quant.{fmt}.{key}" for fmt in ("int8", "int4") for key in
       ("tok_per_s_ratio", "ppl_delta", "ppl", "bytes_per_param", "weight_bytes", "kernels")),
+    "compile.speedup_b1", "compile.tok_per_s_b1", "compile.tok_per_s_eager_b1", "compile.compile_seconds",
+    "compile.tokens_equal_b1",
 ]
 
 
@@ -33,8 +37,9 @@ def lookup(report: dict, dotted: str):
 
 def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
     out = tmp_path / "bench.json"
-    report = bench.main(["--quick", "--systems", "kv_cache,static,engine", "--naive-requests", "1",
-                         "--json", str(out)])
+    peer = bench.llama_cpp.available()  # llama.cpp joins where llama-cpp-python is installed
+    report = bench.main(["--quick", "--systems", "kv_cache,static,engine" + (",llama_cpp" if peer else ""),
+                         "--naive-requests", "1", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     for key in SCHEMA:
         lookup(report, key)  # present (None where a system was not run)
@@ -68,6 +73,21 @@ def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
         assert -0.5 < row["ppl_delta"] < 0.5, f"{fmt} perplexity {row['ppl']} far from float's {quant['float']['ppl']}"
         assert bits / 8 <= row["bytes_per_param"] < quant["float"]["bytes_per_param"]  # scales and minimums on top
         assert 0 < row["weight_bytes"] < quant["float"]["weight_bytes"] and row["kernels"]
+    comp = report["compile"]  # decode steps through torch.compile (bucket 1 quick): the same greedy tokens
+    assert comp["speedup_b1"] > 0 and comp["compiled_steps"] > 0
+    assert comp["tokens_equal_b1"] >= 0.5  # other float32 kernels: a near-tie may flip, a bug flips everything
+    assert set(comp["compile_seconds"]) == {"1"}
+    assert report["machine"]["formats"]["engine"] == report["machine"]["dtype"]
+    if not peer:
+        assert report["ratios"]["single_stream_vs_llama_cpp"] is None and "llama_cpp" not in report["systems"]
+        return
+    section, system = report["llama_cpp"], report["systems"]["llama_cpp"]  # the same GGUF, threads and prompts
+    assert system["output_tokens"] == report["systems"]["engine"]["output_tokens"] and system["tok_per_s"] > 0
+    assert report["machine"]["formats"]["llama_cpp"].startswith("Q4_1")
+    assert section["threads"] == report["machine"]["threads"]
+    assert report["ratios"]["single_stream_vs_llama_cpp"] == pytest.approx(
+        section["engine_single_stream_tok_per_s"] / section["single_stream_tok_per_s"])
+    assert report["ratios"]["decode_b32_vs_llama_cpp"] > 0 and 0 <= section["texts_equal"] <= 1
 
 
 def test_workloads_are_deterministic(real):

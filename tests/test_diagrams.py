@@ -167,3 +167,40 @@ def test_paged_attention_flow_takes_real_tables_and_lengths():
 def test_paged_attention_flow_rejects_bad_input(kwargs):
     with pytest.raises(ValueError):
         paged_attention_flow(**kwargs)
+
+
+def test_speculative_step_keeps_the_agreeing_prefix_then_the_targets_token():
+    from enginelib.diagrams import ACCEPTED, DISCARDED, REJECTED, TARGET, speculative_step
+
+    fig = speculative_step(["The", " cat"], [" sat", " on", " a", " mat"], [" sat", " on", " the", " mat", "."])
+    ax = fig.axes[0]
+    # two guesses kept (drawn fed and emitted), the third rejected, the fourth discarded with its prediction
+    assert len(cells(ax, ACCEPTED)) == 2 + 2
+    assert len(cells(ax, REJECTED)) == 1
+    assert len(cells(ax, DISCARDED)) == 1 + 2
+    emitted = [t.get_text() for t in ax.texts if abs(t.get_position()[1] - 2.4) < 1e-9]
+    assert emitted == ["␣sat", "␣on", "␣the"]
+    assert len(cells(ax, TARGET)) == 1 and "correction" in texts(fig) and "bonus" not in texts(fig)
+    assert "emitted: 3 tokens" in texts(fig) and "2 of 4 guesses accepted" in ax.get_title()
+
+
+def test_speculative_step_all_accepted_earns_a_bonus_token():
+    from enginelib.diagrams import speculative_step
+
+    fig = speculative_step(["a"], ["b", "c"], ["b", "c", "d"])
+    assert "bonus" in texts(fig) and "emitted: 3 tokens" in texts(fig)
+    fig = speculative_step(["a"], ["x"], ["b", "c"])
+    assert "correction" in texts(fig) and "emitted: 1 token" in texts(fig)
+
+
+@pytest.mark.parametrize("context, guesses, target", [
+    (["a"], [], ["b"]),                    # no guesses
+    (["a"], ["b"] * 13, ["b"] * 14),       # too many to draw
+    (["a"], ["b", "c"], ["b", "c"]),       # target needs k + 1 predictions
+    ([], ["b"], ["b", "c"]),               # no context
+])
+def test_speculative_step_rejects_bad_input(context, guesses, target):
+    from enginelib.diagrams import speculative_step
+
+    with pytest.raises(ValueError):
+        speculative_step(context, guesses, target)

@@ -166,6 +166,7 @@ def test_bad_input_names_the_fix(tiny):
     with pytest.raises(ValueError, match="multiple of 32.*use int8"):
         quantize_weight(torch.randn(8, 48), "int4")
     assert "runs on cpu, not cuda" in kernel_unavailable("fbgemm", "int8", (96, 64), torch.device("cuda"))
+    assert "does not run float16" in kernel_unavailable("cpp", "float16", (96, 64), CPU)  # ours: int8 and int4
     with pytest.raises(ValueError, match="window must be at least 2"):
         perplexity(tiny, None, "text", window=1)
 

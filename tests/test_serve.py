@@ -326,3 +326,20 @@ def test_async_engine_error_reaches_callers(real):
     asyncio.run(main())
     assert not engine.is_running and isinstance(engine.error, RuntimeError)
 
+
+
+def test_speed_flags_become_the_engine_config():
+    from enginelib.serve import engine_config, parse_args
+
+    config = engine_config(parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                                       "--compile-batch-sizes", "1,2,4"]))
+    assert config.speculative.num_speculative_tokens == 3 and config.compile.batch_sizes == (1, 2, 4)
+    assert engine_config(parse_args(["--compile"])).compile.batch_sizes == (1, 2, 4, 8, 16, 32)
+    plain = engine_config(parse_args([]))
+    assert plain.speculative is None and plain.compile is None
+    for flags, message in ((["--speculative-config", '{"method": "draft"}'], "method 'ngram'"),
+                           (["--speculative-config", '{"num_speculative_tokens": 0}'], "positive integer"),
+                           (["--speculative-config", '{"k": 2}'], "its keys are"),
+                           (["--compile-batch-sizes", "4,2"], "increasing")):
+        with pytest.raises(ValueError, match=message):
+            engine_config(parse_args(flags))

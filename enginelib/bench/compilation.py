@@ -1,0 +1,59 @@
+"""The ``compile`` section: decode steps through torch.compile against the eager engine (chapter 11)."""
+from __future__ import annotations
+
+from ..compiled import CompileConfig, compile_unavailable
+from ..engine import Engine, EngineConfig
+from ..model import Transformer
+from ..outputs import RequestOutput
+from ..params import SamplingParams
+from ..tokenizer import Tokenizer
+from .results import _sync
+from .spec_decode import decode_seconds
+from .workloads import QUESTIONS, _chat
+
+
+def _decode(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[float, list[list[int]]]:
+    """Greedy decode tok/s (the union of the requests' decode spans) and the tokens, ``batch`` requests at a time."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    finals: dict[str, RequestOutput] = {}
+    ids: list[str] = []
+    for start in range(0, len(prompts), batch):
+        ids += [engine.add_request(p, params) for p in prompts[start:start + batch]]
+        while engine.has_unfinished_requests():
+            finals |= {out.request_id: out for out in engine.step() if out.finished}
+    _sync(engine.model)
+    outs = [finals[i] for i in ids]
+    times = [o.metrics.token_times for o in outs]
+    return sum(len(t) - 1 for t in times) / decode_seconds(times), [o.outputs[0].token_ids for o in outs]
+
+
+def compile_effect(model: Transformer, tok: Tokenizer, quick: bool) -> dict:
+    """Compiled decode tok/s ÷ eager, greedy, same prompts: at batch 1, and at batch 8 in the full run.
+
+    Both run the model as loaded; the eager one with its oneDNN-packed linears
+    on a CPU (the fastest eager path), the compiled one with inductor's own
+    packing, built for batch 1 (and 8) when the engine is: ``compile_seconds``.
+    """
+    reason = compile_unavailable(model.device)
+    if reason:
+        return {"unavailable": reason}
+    n, new = (2, 16) if quick else (4, 64)
+    sizes = (1,) if quick else (1, 8)
+    chats = [_chat(tok, q) for q in QUESTIONS[:8]]
+    eager = Engine(model, tok, EngineConfig())
+    fast = Engine(model, tok, EngineConfig(compile=CompileConfig(batch_sizes=sizes)))
+    for engine in (eager, fast):  # one-off costs out of the measurement
+        _decode(engine, chats[:1], 4, 1)
+    report: dict = {"batch_sizes": list(sizes), "mode": fast.compiled.config.mode, "max_tokens": new,
+                    "compile_seconds": {str(b): s for b, s in fast.compile_report.seconds.items()}}
+    for batch, prompts in ((1, chats[:n]), (8, chats[:8])):
+        if batch not in sizes:
+            continue
+        eager_rate, eager_tokens = _decode(eager, prompts, new, batch)
+        fast_rate, fast_tokens = _decode(fast, prompts, new, batch)
+        report[f"speedup_b{batch}"] = fast_rate / eager_rate
+        report[f"tok_per_s_b{batch}"] = fast_rate
+        report[f"tok_per_s_eager_b{batch}"] = eager_rate
+        report[f"tokens_equal_b{batch}"] = sum(a == b for a, b in zip(eager_tokens, fast_tokens)) / len(prompts)
+    report["compiled_steps"] = sum(fast.compiled.calls.values())
+    return report

@@ -1,0 +1,204 @@
+"""Decode without Python overhead: the model step compiled once per batch size, with ``torch.compile``.
+
+An eager decode step runs about thirty small operators per layer, each a
+Python call that dispatches a kernel. ``torch.compile`` traces the step once,
+fuses what it can (norms, RoPE, SwiGLU, residuals) and, on a CPU, lets inductor
+freeze the weights and pre-pack them for oneDNN's matmul; on a GPU the fused
+kernels replace launches. A traced graph has fixed shapes, so decode batches
+are padded up to a few sizes (*buckets*) and each size is compiled once, up
+front, as vLLM captures its graph sizes. Everything else (prefills, chunks,
+verification of guesses, batches bigger than the last bucket) runs eagerly.
+
+Attention is the one part the compiler must not see inside: which blocks a
+sequence reads changes every step. It runs as an opaque custom operator,
+``enginelib::paged_attend``, that reads the step's :class:`PagedKVCache`, bound
+before each call, the way vLLM's attention reads its "forward context".
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .batch import Batch, SequenceWork
+from .device import unpack_linears
+from .kv_cache import PagedKVCache
+from .model import Transformer
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """What to compile: decode batches padded up to ``batch_sizes``; ``mode`` is torch.compile's."""
+
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    mode: str | None = None       # torch.compile's mode: None (its default) or e.g. "reduce-overhead" (CUDA graphs)
+    freeze: bool = True           # CPU: let inductor treat weights as constants and pre-pack them
+    fallback: bool = True         # when compiling is unavailable: run eagerly and say why (False: raise)
+
+    def __post_init__(self) -> None:
+        sizes = self.batch_sizes
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(f"batch_sizes must be positive integers, e.g. (1, 2, 4, 8), got {sizes!r}")
+        if tuple(sorted(set(sizes))) != tuple(sizes):
+            raise ValueError(f"batch_sizes must be increasing without repeats, e.g. (1, 2, 4, 8), got {sizes!r}")
+
+
+def compile_unavailable(device: torch.device | str) -> str | None:
+    """Why ``torch.compile`` cannot build kernels for ``device`` here, or None if it can.
+
+    On a CPU inductor writes C++ and needs a compiler; on a GPU it writes Triton.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        cxx = os.environ.get("CXX") or "c++"
+        if shutil.which(cxx) is None and shutil.which("g++") is None and shutil.which("clang++") is None:
+            return (f"torch.compile on a CPU needs a C++ compiler and none was found (tried $CXX, c++, g++, clang++): "
+                    "install one (Debian/Ubuntu: apt-get install g++; macOS: xcode-select --install) or set $CXX")
+        return None
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401  (inductor's GPU code generator)
+        except ImportError:
+            return "torch.compile on a GPU needs Triton: pip install triton (it ships with the CUDA wheels of torch)"
+        return None
+    return f"compiling is not supported on {device.type} here: use compile=None (eager)"
+
+
+# --- attention as an opaque operator --------------------------------------------------------
+
+_bound = threading.local()  # .cache: the step's cache while a compiled step runs (per thread: engines may share a process)
+
+
+@contextmanager
+def bound(cache: PagedKVCache) -> Iterator[None]:
+    """Make ``cache`` (already bound to the step's batch) the one ``paged_attend`` reads, in this thread."""
+    outer = getattr(_bound, "cache", None)
+    _bound.cache = cache
+    try:
+        yield
+    finally:
+        _bound.cache = outer
+
+
+# cudagraph_unsafe: with CUDA graphs (mode="reduce-overhead") inductor cuts the graph around this operator and
+# replays the pieces between, since what it reads (block tables, slots) changes every step
+_UNSAFE_IN_CUDA_GRAPHS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("enginelib::paged_attend", mutates_args=(), tags=_UNSAFE_IN_CUDA_GRAPHS)
+def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Attention of a padded decode batch over the bound paged cache: rows past the real batch get zeros.
+
+    q: [1, P, H, D]; k, v: [1, P, KV, D]. It also writes the real rows' K/V into
+    the cache, a side effect the compiler cannot see, which is why the cache is
+    reached through :func:`bound` and not passed in.
+    """
+    cache = _bound.cache
+    n = cache.batch.num_tokens
+    if n == q.shape[1]:
+        return cache.attend(layer, q, k, v)
+    out = q.new_zeros(q.shape)
+    out[:, :n] = cache.attend(layer, q[:, :n], k[:, :n], v[:, :n])
+    return out
+
+
+@paged_attend.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+class _OpaqueCache:
+    """What the traced model sees as its cache: a call of the opaque operator per layer."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.enginelib.paged_attend(q, k, v, layer)
+
+
+# --- the compiled decoder --------------------------------------------------------------------
+
+@dataclass
+class CompileReport:
+    """What compiling cost: seconds per bucket (trace + code generation + a first run)."""
+
+    device: str
+    mode: str | None
+    seconds: dict[int, float]
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+class CompiledDecoder:
+    """Runs decode-only steps (one new token per sequence) through one compiled graph per bucket.
+
+    ``__call__(batch, cache)`` returns the logits of the batch's rows, [B, vocab],
+    exactly the rows the eager step would compute. ``compile()`` builds every
+    bucket up front and reports what it cost.
+    """
+
+    def __init__(self, model: Transformer, config: CompileConfig | None = None) -> None:
+        self.config = config = config or CompileConfig()
+        reason = compile_unavailable(model.device)
+        if reason:
+            raise ValueError(reason)
+        self.model = unpack_linears(model)  # same weights; eager steps keep the packed linears
+        # dynamo keeps compiled graphs per code object, so every decoder's buckets count against one limit
+        name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 8 * len(config.batch_sizes)))
+        options = {"freezing": True} if config.freeze and model.device.type == "cpu" else None
+        self._step = torch.compile(self._forward, mode=config.mode, dynamic=False, options=options)
+        self.report: CompileReport | None = None
+        self.calls: Counter[int] = Counter()  # steps run per bucket
+
+    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(token_ids, _OpaqueCache(), positions=positions)[0]
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest compiled batch size that holds ``num_seqs`` sequences (None: run eagerly)."""
+        return next((b for b in self.config.batch_sizes if b >= num_seqs), None)
+
+    def serves(self, batch: Batch) -> bool:
+        """A decode-only step (one token per sequence, each sampled) that fits a bucket."""
+        return (batch.num_tokens == batch.num_seqs == len(batch.logits_indices)
+                and self.bucket(batch.num_seqs) is not None)
+
+    @torch.inference_mode()
+    def __call__(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+        size = self.bucket(batch.num_seqs)
+        self.calls[size] += 1
+        pad = size - batch.num_tokens
+        token_ids, positions = batch.token_ids, batch.positions
+        if pad:
+            token_ids, positions = F.pad(token_ids, (0, pad)), F.pad(positions, (0, pad))
+        with bound(cache.bind(batch)):
+            logits = self._step(token_ids, positions)
+        return logits[:batch.num_tokens]
+
+    def compile(self, cache: PagedKVCache) -> CompileReport:
+        """Trace and build every bucket now, on a throwaway batch that writes only block 0, then clear it."""
+        seconds = {}
+        try:
+            for size in self.config.batch_sizes:
+                batch = Batch.build([SequenceWork([0], 0, [0])] * size, cache.block_size, self.model.device)
+                start = time.perf_counter()
+                self(batch, cache)
+                if self.model.device.type == "cuda":
+                    torch.cuda.synchronize(self.model.device)
+                seconds[size] = time.perf_counter() - start
+        finally:
+            self.calls.clear()
+            cache.k[:, 0].zero_()
+            cache.v[:, 0].zero_()
+        self.report = CompileReport(str(self.model.device), self.config.mode, seconds)
+        return self.report

@@ -1,0 +1,420 @@
+"""Our own CPU kernels for int8 and int4 weights: read the packed bytes, dequantize in registers, multiply-add.
+
+Why write them: a decode step at batch 1 reads every weight once, so its time
+is the time to stream the weights from memory. On an AVX2 CPU without VNNI,
+the library kernels that take int8/int4 weights are slower than float32's
+packed matmul (they unpack the weight, or round the activations too), so the
+smaller weights bought memory but not speed. These kernels do what llama.cpp
+does in spirit: one fused loop per block of output rows that loads 8 int8
+(or 32 int4) codes, turns them into floats in a vector register, and
+multiply-adds them with the activations, never writing a float weight.
+
+- ``int8_linear(x [M, K] float32, q [N, K] int8, scale [N] float32) -> [M, N]``:
+  ``y[m, n] = scale[n] * sum_k x[m, k] q[n, k]``.
+- ``int4_linear(x, codes [N, K/32, 16] uint8, scale, minimum [N, K/32] float16)``,
+  ``w = code * scale + minimum`` (quant.py's layout, GGUF's Q4_1 block):
+  per group, ``sum_k x_k (c_k s + m) = s * sum_k x_k c_k + m * sum_k x_k``, so the
+  codes are multiplied as small integers turned floats, and the minimum costs one
+  multiply-add per group with the group's sum of ``x`` (computed once per call).
+
+Each call works on tiles of ``MR`` activation rows by ``NR`` output rows, so a
+weight loaded (and converted) once serves up to 4 rows of a decode batch, and
+several independent accumulators hide the multiply-add latency. Output rows are
+split among threads with ``at::parallel_for`` (``torch.set_num_threads``).
+Accumulation is float32: equal to the reference up to rounding. Each output
+adds its products in the same order whatever tile it falls in (and the build
+uses ``-ffp-contract=off``, so the compiler fuses nothing on its own), so a
+row gives the same bits alone or in any batch: batched greedy decoding equals
+one request at a time.
+
+The AVX2+FMA path is compiled under ``#ifdef __AVX2__``; a plain C++ loop is
+always compiled too and runs when ``simd=False`` (or on a CPU without AVX2), so
+the tests check both. The source is built the first time a kernel is asked for
+(never at import), with ``torch.utils.cpp_extension.load_inline``, into
+``~/.cache/enginelib/kernels/<hash>`` (``$ENGINELIB_CACHE/kernels``): the hash
+covers the source, the flags, torch's version and the CPU's flags, so a build
+is reused until one of them changes.
+Building needs a C++ compiler and ``ninja``; :func:`unavailable` says which is missing.
+
+The ops are registered as ``torch.library`` custom ops (``enginelib::int8_linear``,
+``enginelib::int4_linear``) with fake implementations, so ``torch.compile``
+traces around them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <cstdint>
+#include <algorithm>
+#include <cmath>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t GROUP = 32;  // int4: weights per (scale, minimum), as GGUF's Q4_1
+
+inline float half_to_float(uint16_t bits) {
+#ifdef __F16C__
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// ---------------------------------------------------------------- plain C++ (the fallback)
+
+void int8_plain(const float* x, const int8_t* q, const float* scale, float* y,
+                int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = q + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += xm[k] * static_cast<float>(w[k]);
+      y[m * N + n] = acc * scale[n];
+    }
+  }
+}
+
+// xsum[m * G + g]: the sum of x[m] over group g (the minimum's share of the dot product)
+void int4_plain(const float* x, const float* xsum, const uint8_t* codes, const uint16_t* scale,
+                const uint16_t* minimum, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t G = K / GROUP;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* b = codes + (n * G + g) * 16;
+        const float* xg = xm + g * GROUP;
+        float dot = 0.f;
+        for (int j = 0; j < 16; ++j) dot += xg[j] * float(b[j] & 15) + xg[j + 16] * float(b[j] >> 4);
+        acc += half_to_float(scale[n * G + g]) * dot + half_to_float(minimum[n * G + g]) * xsum[m * G + g];
+      }
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+#ifdef __AVX2__
+// ---------------------------------------------------------------- AVX2 + FMA
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 load_int8x8(const int8_t* p) {  // 8 int8 -> 8 float
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// MR activation rows x NR output rows: MR*NR accumulators, each weight vector converted once for MR rows
+template <int MR, int NR>
+void int8_tile(const float* x, const int8_t* q, const float* scale, float* y,
+               int64_t N, int64_t K, int64_t m0, int64_t n0) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 w[NR];
+    for (int j = 0; j < NR; ++j) w[j] = load_int8x8(q + (n0 + j) * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + (m0 + i) * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum(acc[i][j]);
+      const float* xm = x + (m0 + i) * K;
+      const int8_t* wn = q + (n0 + j) * K;
+      for (int64_t k = K8; k < K; ++k) s = std::fma(xm[k], static_cast<float>(wn[k]), s);
+      y[(m0 + i) * N + n0 + j] = s * scale[n0 + j];
+    }
+}
+
+// One group's 32 codes as four vectors of 8 floats: codes 0-7, 8-15 (low nibbles), 16-23, 24-31 (high).
+inline void load_codes(const uint8_t* b, __m256 c[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(bytes, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  c[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  c[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+template <int MR, int NR>
+void int4_tile(const float* x, const float* xsum, const uint8_t* codes, const uint16_t* scale,
+               const uint16_t* minimum, float* y, int64_t N, int64_t K, int64_t m0, int64_t n0) {
+  const int64_t G = K / GROUP;
+  __m256 acc[MR][NR];
+  float mins[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) { acc[i][j] = _mm256_setzero_ps(); mins[i][j] = 0.f; }
+  for (int64_t g = 0; g < G; ++g) {
+    for (int j = 0; j < NR; ++j) {  // one output row's codes at a time: 4 registers, reused by the MR rows
+      const int64_t at = (n0 + j) * G + g;
+      __m256 c[4];
+      load_codes(codes + at * 16, c);
+      const __m256 s = _mm256_set1_ps(half_to_float(scale[at]));
+      const float mn = half_to_float(minimum[at]);
+      for (int i = 0; i < MR; ++i) {
+        const float* xg = x + (m0 + i) * K + g * GROUP;
+        __m256 d = _mm256_mul_ps(_mm256_loadu_ps(xg), c[0]);
+        d = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), c[1], d);
+        d = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), c[2], d);
+        d = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), c[3], d);
+        acc[i][j] = _mm256_fmadd_ps(d, s, acc[i][j]);    // scale * (codes . x) for this group
+        mins[i][j] = std::fma(mn, xsum[(m0 + i) * G + g], mins[i][j]);  // minimum * (sum of x), this group
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) + mins[i][j];
+}
+
+constexpr int64_t NBLOCK = 16;  // output rows whose weights stay in L1 while every activation row passes
+
+// Tiles over output rows n0:n1, NBLOCK rows at a time (their weights are read from memory once, then from
+// L1 for each tile of activation rows): MR=4 activation rows at a time (then 2, then 1) by NR output rows
+// (fewer activation rows leave registers for more output rows; the last few output rows go one at a time).
+template <template <int, int> class Tile, typename... A>
+void block(int64_t M, int64_t n0, int64_t n1, A... args) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) Tile<4, 2>::run(args..., m, n);
+    for (; n < n1; ++n) Tile<4, 1>::run(args..., m, n);
+  }
+  for (; m + 2 <= M; m += 2) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) Tile<2, 4>::run(args..., m, n);
+    for (; n < n1; ++n) Tile<2, 1>::run(args..., m, n);
+  }
+  for (; m < M; ++m) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) Tile<1, 4>::run(args..., m, n);
+    for (; n < n1; ++n) Tile<1, 1>::run(args..., m, n);
+  }
+}
+
+template <template <int, int> class Tile, typename... A>
+void tiles(int64_t M, int64_t n0, int64_t n1, A... args) {
+  for (int64_t b = n0; b < n1; b += NBLOCK) block<Tile>(M, b, std::min(b + NBLOCK, n1), args...);
+}
+
+template <int MR, int NR> struct Int8Tile {
+  static void run(const float* x, const int8_t* q, const float* s, float* y, int64_t N, int64_t K,
+                  int64_t m, int64_t n) { int8_tile<MR, NR>(x, q, s, y, N, K, m, n); }
+};
+template <int MR, int NR> struct Int4Tile {
+  static void run(const float* x, const float* xs, const uint8_t* c, const uint16_t* s, const uint16_t* mn,
+                  float* y, int64_t N, int64_t K, int64_t m, int64_t n) {
+    int4_tile<MR, NR>(x, xs, c, s, mn, y, N, K, m, n);
+  }
+};
+#endif  // __AVX2__
+
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous float32 CPU matrix [M, K]");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
+}
+
+// Rows per task: at least ~64K weights, so small layers do not pay for threads they cannot use.
+int64_t grain(int64_t K) { return std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(K, 1)); }
+
+}  // namespace
+
+bool has_simd() {
+#ifdef __AVX2__
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, bool simd) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "q must be contiguous int8 [N, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(0) && scale.is_contiguous(),
+              "scale must be contiguous float32 [N]");
+  const int64_t M = x.size(0), N = q.size(0), K = q.size(1);
+  check_x(x, K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain(K), [&](int64_t n0, int64_t n1) {
+#ifdef __AVX2__
+    if (simd) { tiles<Int8Tile>(M, n0, n1, xp, qp, sp, yp, N, K); return; }
+#endif
+    int8_plain(xp, qp, sp, yp, M, N, K, n0, n1);
+  });
+  return y;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const at::Tensor& minimum, bool simd) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 && codes.is_contiguous(),
+              "codes must be contiguous uint8 [N, K/32, 16]");
+  const int64_t M = x.size(0), N = codes.size(0), G = codes.size(1), K = G * GROUP;
+  for (const at::Tensor* t : {&scale, &minimum})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 2 && t->size(0) == N && t->size(1) == G &&
+                t->is_contiguous(), "scale and minimum must be contiguous float16 [N, K/32]");
+  check_x(x, K);
+  // [M, G]: each group's sum of x, added in one fixed order (torch's sum may vectorize differently for
+  // different M, and a row must give the same bits alone or in a batch)
+  at::Tensor xsum = at::empty({M, G}, x.options());
+  {
+    const float* xp = x.data_ptr<float>();
+    float* xs = xsum.data_ptr<float>();
+    for (int64_t i = 0; i < M * G; ++i) {
+      float t = 0.f;
+      for (int64_t j = 0; j < GROUP; ++j) t += xp[i * GROUP + j];
+      xs[i] = t;
+    }
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* xs = xsum.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain(K), [&](int64_t n0, int64_t n1) {
+#ifdef __AVX2__
+    if (simd) { tiles<Int4Tile>(M, n0, n1, xp, xs, cp, sp, mp, yp, N, K); return; }
+#endif
+    int4_plain(xp, xs, cp, sp, mp, yp, M, N, K, n0, n1);
+  });
+  return y;
+}
+"""
+
+FUNCTIONS = ["int8_linear", "int4_linear", "has_simd"]
+# -ffp-contract=off: the compiler fuses no multiply-add on its own, so each output is summed in the order
+# written whatever tile it falls in (a row alone or in a batch: the same bits)
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+CACHE: Path | None = None  # None: the models' cache folder ($ENGINELIB_CACHE, else ~/.cache/enginelib) / "kernels"
+
+_module: ModuleType | None = None
+_failure: str | None = None
+
+
+def _cpu_flags() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    """Where the build lives: a new folder whenever the source, flags, torch or the CPU change."""
+    from .weights import cache_dir
+
+    key = "\n".join([SOURCE, " ".join(CFLAGS), torch.__version__, _cpu_flags()])
+    return (CACHE or cache_dir() / "kernels") / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def compiler() -> str:
+    """The C++ compiler torch's extension builder will call (``$CXX``, else ``c++``)."""
+    return os.environ.get("CXX", "c++")
+
+
+def _missing_tool() -> str | None:
+    if shutil.which(compiler()) is None:
+        return (f"no C++ compiler ({compiler()!r}) was found to build enginelib's CPU kernels: install one "
+                f"(apt-get install g++; on macOS xcode-select --install) or set $CXX")
+    if shutil.which("ninja") is None:
+        return "building enginelib's CPU kernels needs ninja, which was not found: pip install ninja"
+    return None
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run here (None: they can). Builds them the first time it is asked."""
+    global _failure
+    if _module is not None:
+        return None
+    if _failure is not None:
+        return _failure
+    missing = _missing_tool()
+    if missing:
+        return missing  # not remembered: installing the tool fixes it without a restart
+    try:
+        load()
+    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
+        tail = "\n".join(str(exc).strip().splitlines()[-8:])
+        _failure = f"building enginelib's CPU kernels failed (in {build_dir()}); the compiler's last lines:\n{tail}"
+        return _failure
+    return None
+
+
+def load() -> ModuleType:
+    """The compiled kernels, built on the first call (tens of seconds) and loaded from the cache afterwards."""
+    global _module
+    if _module is None:
+        missing = _missing_tool()
+        if missing:
+            raise RuntimeError(missing)
+        from torch.utils.cpp_extension import load_inline
+
+        directory = build_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        _module = load_inline(name=f"enginelib_cpu_kernels_{directory.name}", cpp_sources=[SOURCE],
+                              functions=FUNCTIONS, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                              build_directory=str(directory), verbose=False)
+    return _module
+
+
+def has_simd() -> bool:
+    """Whether the build has the AVX2+FMA path (else ``simd=True`` runs the plain loop too)."""
+    return bool(load().has_simd())
+
+
+# ---------------------------------------------------------------- custom ops, traceable by torch.compile
+
+@torch.library.custom_op("enginelib::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, simd: bool = True) -> torch.Tensor:
+    """``x [M, K] float32 @ (q [N, K] int8 * scale [N, 1]).T`` -> [M, N] float32."""
+    return load().int8_linear(x.contiguous(), q, scale, simd)
+
+
+@int8_linear.register_fake
+def _(x, q, scale, simd=True):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+@torch.library.custom_op("enginelib::int4_linear", mutates_args=())
+def int4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                simd: bool = True) -> torch.Tensor:
+    """``x [M, K] float32`` times the int4 weight (codes [N, K/32, 16], float16 scale and minimum [N, K/32])."""
+    return load().int4_linear(x.contiguous(), codes, scale, minimum, simd)
+
+
+@int4_linear.register_fake
+def _(x, codes, scale, minimum, simd=True):
+    return x.new_empty(x.shape[0], codes.shape[0])

@@ -1,0 +1,122 @@
+"""Decode through torch.compile (issue 11): the same tokens as eager, buckets padded up, a clear fallback.
+
+Compiling costs seconds per bucket, so the model-sized check uses one bucket
+and the tiny model covers padding, bucket changes and speculation's eager
+verification steps. ``CompiledDecoder.calls`` counts the steps each bucket
+ran, so a test cannot pass by quietly running everything eagerly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from enginelib import compiled
+from enginelib import engine as engine_module
+from enginelib.compiled import CompileConfig, compile_unavailable
+from enginelib.engine import Engine, EngineConfig
+from enginelib.params import SamplingParams
+from enginelib.speculative import SpeculativeConfig
+
+from .conftest import DEVICE, chat_ids, tiny_tokenizer
+
+needs_compiler = pytest.mark.skipif(compile_unavailable(DEVICE) is not None,
+                                    reason=str(compile_unavailable(DEVICE)))
+
+
+def _run(engine: Engine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert engine.stats().pool.used == 0  # no block leaked
+    return [done[i] for i in ids]
+
+
+@needs_compiler
+def test_compiled_decode_gives_the_eager_tokens_on_the_real_model(real, agree):
+    model, tok = real  # on a CPU its linears are oneDNN-packed: the compiled step gets plain ones, same weights
+    prompts = [chat_ids(tok, q) for q in ("What is a KV cache?", "Name three colours.")]
+    lengths = [12, 7]  # two sequences, then one padded up to the one bucket
+    engine = Engine(model, tok, EngineConfig(compile=CompileConfig(batch_sizes=(2,))))
+    assert set(engine.compile_report.seconds) == {2} and engine.compile_report.total_seconds > 0
+    got = _run(engine, prompts, lengths)
+    expected = _run(Engine(model, tok), prompts, lengths)
+    agree(model, prompts, got, expected)
+    assert engine.compiled.calls[2] == max(lengths) - 1  # every decode step, none eager
+
+
+@needs_compiler
+def test_buckets_pad_up_and_bigger_batches_run_eagerly(tiny_dt):
+    tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(5 + i)] for i in range(6)]
+    lengths = [9, 8, 7, 6, 5, 4]  # six sequences shrinking to one: eager at 6 and 5, then buckets 4, 2 (padding 3), 1
+    engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=64, compile=CompileConfig(batch_sizes=(1, 2, 4))))
+    got = _run(engine, prompts, lengths)
+    assert got == _run(Engine(tiny_dt, tok, EngineConfig(num_blocks=64)), prompts, lengths)
+    assert engine.compiled.calls[4] >= 2 and engine.compiled.calls[2] >= 1 and engine.compiled.calls[1] >= 1
+    assert engine.compiled.bucket(3) == 4 and engine.compiled.bucket(5) is None
+
+
+@needs_compiler
+def test_speculation_verifies_eagerly_and_decodes_compiled(tiny_dt):
+    tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 8, 7, 6]]
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=64, speculative=spec,
+                                               compile=CompileConfig(batch_sizes=(1, 2))))
+    got = _run(engine, prompts, [10, 10])
+    assert got == _run(Engine(tiny_dt, tok, EngineConfig(num_blocks=64)), prompts, [10, 10])
+    assert engine.spec_stats.proposed > 0 and sum(engine.compiled.calls.values()) > 0
+
+
+def test_no_compiler_falls_back_to_eager_with_the_fix_named(tiny_dt, monkeypatch):
+    if DEVICE.type != "cpu":
+        pytest.skip("the C++ compiler is the CPU's requirement")
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ compiler.*apt-get install g\\+\\+.*runs eagerly"):
+        engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=32, compile=CompileConfig()))
+    assert engine.compiled is None and engine.compile_report is None
+    assert _run(engine, [[1, 2, 3]], [4]) == _run(Engine(tiny_dt, tok, EngineConfig(num_blocks=32)), [[1, 2, 3]], [4])
+    with pytest.raises(ValueError, match="C\\+\\+ compiler"):
+        Engine(tiny_dt, tok, EngineConfig(num_blocks=32, compile=CompileConfig(fallback=False)))
+
+
+def test_bad_compile_settings_are_refused(real):
+    for sizes in ((), (0, 2), (4, 2), (2, 2), (1.5,)):
+        with pytest.raises(ValueError, match="batch_sizes"):
+            CompileConfig(batch_sizes=sizes)
+    assert "not supported" in compile_unavailable(torch.device("meta"))
+
+
+def test_unpacking_shares_the_weights(real):
+    from enginelib.device import PackedLinear, unpack_linears
+
+    model = real[0]
+    plain = unpack_linears(model)
+    if not any(isinstance(m, PackedLinear) for m in model.modules()):
+        assert plain is model
+        return
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    assert all(a is b for a, b in zip(model.parameters(), plain.parameters()))
+    assert plain.lm_head.weight is plain.embed_tokens.weight  # still tied
+    ids = torch.tensor([[1, 2, 3, 4]], device=model.device)
+    with torch.no_grad():  # the same weights, multiplied by another kernel: equal up to float32 rounding
+        torch.testing.assert_close(plain(ids), model(ids), rtol=1e-4, atol=2e-3)
+
+
+def test_a_failed_compile_falls_back_or_raises(tiny_dt, monkeypatch):
+    def fail(self, cache):
+        raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("C++ compile error: boom"), None)
+
+    monkeypatch.setattr(compiled.CompiledDecoder, "compile", fail)
+    for module in (compiled, engine_module):
+        monkeypatch.setattr(module, "compile_unavailable", lambda device: None)
+    tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
+    with pytest.warns(RuntimeWarning, match="torch.compile failed.*boom.*runs eagerly"):
+        engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=32, compile=CompileConfig()))
+    assert engine.compiled is None and _run(engine, [[1, 2, 3]], [3])
+    with pytest.raises(ValueError, match="torch.compile failed.*fallback=True"):
+        Engine(tiny_dt, tok, EngineConfig(num_blocks=32, compile=CompileConfig(fallback=False)))

@@ -1,0 +1,135 @@
+"""Our C++ int8/int4 kernels (enginelib/cpu_kernels.py): equal to the plain-PyTorch reference up to float32
+rounding on every tile shape, in the AVX2 path and the plain fallback, inside torch.compile, and when they
+cannot be built the reason names the fix."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from enginelib import cpu_kernels
+from enginelib.quant import QuantLinear, kernel_unavailable, quantize, quantize_weight
+
+CPU = torch.device("cpu")
+# Builds the kernels (once per source, then cached). On CI ($CI set) a missing compiler or ninja fails the tests.
+pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None and not os.environ.get("CI"),
+                                reason=f"the C++ kernels cannot be built here: {cpu_kernels.unavailable()}")
+
+# Float32 in another order than F.linear: relative errors of order 1e-7; a wrong code, nibble or scale is ~1.
+TOL = 1e-5
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+def weight(n: int, k: int, seed: int) -> torch.Tensor:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    w[1, :32] += 0.4  # a group far from zero: the int4 minimum must carry it
+    return w
+
+
+def run(fmt: str, x: torch.Tensor, w: torch.Tensor, simd: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cpp's output, the reference's) for ``x`` times ``w`` stored in ``fmt``."""
+    qw = quantize_weight(w, fmt)
+    want = QuantLinear(qw, None, "reference")(x)
+    if fmt == "int8":
+        return cpu_kernels.int8_linear(x, qw.data, qw.scale, simd), want
+    return cpu_kernels.int4_linear(x, qw.data, qw.scale, qw.minimum, simd), want
+
+
+# N = 13: not a multiple of the 2- and 4-row tiles; M = 3: a 2-row tile then a 1-row one; M = 32: eight 4-row
+# tiles; K = 40 (int8 only): 8-wide vectors plus a scalar tail.
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "plain"])
+@pytest.mark.parametrize("fmt,n,k", [("int8", 13, 64), ("int8", 96, 160), ("int8", 7, 40),
+                                     ("int4", 13, 64), ("int4", 96, 160)])
+def test_kernels_equal_the_reference(fmt, n, k, simd):
+    w = weight(n, k, seed=n + k)
+    for m in (1, 3, 32):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        got, want = run(fmt, x, w, simd)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert rel(got, want) < TOL, f"{fmt} {n}x{k}, M={m}, simd={simd}: error {rel(got, want):.2g}"
+
+
+def test_the_simd_path_is_built_where_the_cpu_has_avx2():
+    flags = cpu_kernels._cpu_flags().split()
+    if "avx2" in flags and "fma" in flags:
+        assert cpu_kernels.has_simd()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_lm_head_shape(fmt):
+    """The biggest weight (49152 x 576), split among threads, with a batch that uses every tile height."""
+    w = weight(49152, 576, seed=7)
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(8))
+    got, want = run(fmt, x, w, simd=True)
+    assert rel(got, want) < TOL
+    # each output adds its products in the same order whatever tile it falls in: a row alone, same bits
+    layer = QuantLinear(quantize_weight(w, fmt), None, "cpp")
+    for row in (0, 4, 6):  # in a 4-row, a 2-row and a 1-row tile
+        assert torch.equal(layer(x[row:row + 1])[0], got[row])
+
+
+def test_bad_shapes_raise():
+    q = quantize_weight(weight(8, 64, seed=1), "int8")
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        cpu_kernels.int8_linear(torch.randn(2, 32), q.data, q.scale)
+
+
+def test_quantized_model_compiles_and_gives_the_same_logits(tiny):
+    """int4 layers and an int8 head, both ops traced by torch.compile (inductor) as opaque custom ops."""
+    model = quantize(tiny, "int4", "cpp", head="int8")
+    assert {layer.kernel.name for layer in model.modules() if isinstance(layer, QuantLinear)} == {"cpp"}
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        eager = model(ids)
+        want = quantize(tiny, "int4", "reference", head="int8")(ids)
+        compiled = torch.compile(model)(ids)
+    assert rel(eager, want) < TOL
+    assert rel(compiled, eager) < TOL
+
+
+def test_unavailable_names_the_fix_and_auto_skips_it(tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_failure", None)
+    real_which = cpu_kernels.shutil.which
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda tool: None if tool == cpu_kernels.compiler() else
+                        real_which(tool))
+    reason = kernel_unavailable("cpp", "int8", (96, 64), CPU)
+    assert "no C++ compiler" in reason and "apt-get install g++" in reason and "xcode-select --install" in reason
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler.*use kernel='auto' or 'reference'"):
+        quantize(tiny, "int8", "cpp")
+    auto = quantize(tiny, "int8")
+    assert "cpp" not in {row.kernel for row in auto.quant_info.timings}
+    assert "apt-get install g++" in auto.quant_info.skipped["cpp"]  # auto says why it ran without it
+    assert "runs on cpu, not cuda" in kernel_unavailable("cpp", "int8", (96, 64), torch.device("cuda"))
+
+    # a build that fails: the reason carries the compiler's own words
+    monkeypatch.setattr(cpu_kernels.shutil, "which", real_which)
+    monkeypatch.setattr(cpu_kernels, "CACHE", tmp_path)
+    # (a missing header stops the compiler at once; an #error would let it read all of torch's headers first)
+    monkeypatch.setattr(cpu_kernels, "SOURCE", '#include "enginelib_test_broken_build.h"\n' + cpu_kernels.SOURCE)
+    reason = kernel_unavailable("cpp", "int4", (96, 64), CPU)
+    assert "building enginelib's CPU kernels failed" in reason and "enginelib_test_broken_build.h" in reason
+
+
+def test_engine_batch_equals_each_request_alone(real_f32):
+    """Bit-identical rows in any batch: the engine's batched greedy tokens are each request's own, exactly."""
+    from enginelib.baselines import generate_cached
+    from enginelib.engine import Engine, EngineConfig
+    from enginelib.params import SamplingParams
+
+    from .conftest import chat_ids
+
+    model, tok = real_f32
+    q = quantize(model, "int4", "cpp", head="int8")
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    prompts = [chat_ids(tok, p) for p in ("Name a fruit.", "What is 2 + 2?", "Say hello in French.")]
+    alone = [generate_cached(q, p, greedy, tok.eos_token_id).token_ids for p in prompts]
+    engine = Engine(q, tok, EngineConfig(num_blocks=64, block_size=16))
+    ids = [engine.add_request(p, greedy) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [engine.request(i).output_token_ids for i in ids] == alone
