@@ -237,6 +237,7 @@ def _measure(args: argparse.Namespace, systems: tuple[str, ...], served: str | N
         report["concurrency_ratio"] = budget["paged"] / budget["contiguous"]
     _print_summary(report)
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return report
