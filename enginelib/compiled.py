@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .batch import Batch, SequenceWork
 from .device import unpack_linears
 from .kv_cache import PagedKVCache
@@ -51,6 +52,9 @@ class CompileConfig:
             raise ValueError(f"batch_sizes must be positive integers, e.g. (1, 2, 4, 8), got {sizes!r}")
         if tuple(sorted(set(sizes))) != tuple(sizes):
             raise ValueError(f"batch_sizes must be increasing without repeats, e.g. (1, 2, 4, 8), got {sizes!r}")
+        modes = [m for m in torch._inductor.list_mode_options() if m != "default"]
+        if self.mode not in (None, "default", *modes):
+            raise ValueError(f"mode must be None or one of torch.compile's modes {modes}, got {self.mode!r}")
 
 
 def compile_unavailable(device: torch.device | str) -> str | None:
@@ -76,18 +80,23 @@ def compile_unavailable(device: torch.device | str) -> str | None:
 
 # --- attention as an opaque operator --------------------------------------------------------
 
-_bound = threading.local()  # .cache: the step's cache while a compiled step runs (per thread: engines may share a process)
+# .cache, .fused: the step's cache and attention kernel while a compiled step runs (per thread: engines may share a process)
+_bound = threading.local()
 
 
 @contextmanager
-def bound(cache: PagedKVCache) -> Iterator[None]:
-    """Make ``cache`` (already bound to the step's batch) the one ``paged_attend`` reads, in this thread."""
-    outer = getattr(_bound, "cache", None)
-    _bound.cache = cache
+def bound(cache: PagedKVCache, fused: bool = False) -> Iterator[None]:
+    """Make ``cache`` (already bound to the step's batch) the one ``paged_attend`` reads, in this thread.
+
+    ``fused``: attend with our C++ decode kernel (:func:`enginelib.cpu_kernels.decode_attention`),
+    which reads keys through the block tables, instead of gathering them for SDPA.
+    """
+    outer = getattr(_bound, "cache", None), getattr(_bound, "fused", False)
+    _bound.cache, _bound.fused = cache, fused
     try:
         yield
     finally:
-        _bound.cache = outer
+        _bound.cache, _bound.fused = outer
 
 
 # cudagraph_unsafe: with CUDA graphs (mode="reduce-overhead") inductor cuts the graph around this operator and
@@ -104,11 +113,20 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) 
     reached through :func:`bound` and not passed in.
     """
     cache = _bound.cache
-    n = cache.batch.num_tokens
-    if n == q.shape[1]:
+    batch = cache.batch
+    n = batch.num_tokens
+    if _bound.fused:
+        cache.write(layer, k[:, :n], v[:, :n])
+        real = cpu_kernels.decode_attention(q[0, :n], cache.k[layer], cache.v[layer], batch.block_tables,
+                                            batch.context_lens)[None]
+    elif n == q.shape[1]:
         return cache.attend(layer, q, k, v)
+    else:
+        real = cache.attend(layer, q[:, :n], k[:, :n], v[:, :n])
+    if n == q.shape[1]:
+        return real
     out = q.new_zeros(q.shape)
-    out[:, :n] = cache.attend(layer, q[:, :n], k[:, :n], v[:, :n])
+    out[:, :n] = real
     return out
 
 
@@ -139,6 +157,21 @@ class CompileReport:
         return sum(self.seconds.values())
 
 
+def _options(config: CompileConfig, device: torch.device) -> dict:
+    """Inductor's options for ``config`` on ``device``: ``mode``'s own, and the graph cut at attention for CUDA graphs.
+
+    Given as options rather than ``mode=`` because torch.compile takes one or the other.
+    """
+    options = dict(torch._inductor.list_mode_options(config.mode)) if config.mode else {}
+    # the checks of each operator's output shape cost ~1 ms a step at batch 1; the graph is traced from this model
+    options |= {"size_asserts": False, "alignment_asserts": False}
+    if device.type == "cpu" and config.freeze:
+        options["freezing"] = True
+    if options.get("triton.cudagraphs") and hasattr(torch._inductor.config, "graph_partition"):
+        options["graph_partition"] = True  # replay graphs between the attention calls, not skip the whole step
+    return options
+
+
 class CompiledDecoder:
     """Runs decode-only steps (one new token per sequence) through one compiled graph per bucket.
 
@@ -156,8 +189,12 @@ class CompiledDecoder:
         # dynamo keeps compiled graphs per code object, so every decoder's buckets count against one limit
         name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 8 * len(config.batch_sizes)))
-        options = {"freezing": True} if config.freeze and model.device.type == "cpu" else None
-        self._step = torch.compile(self._forward, mode=config.mode, dynamic=False, options=options)
+        options = _options(config, model.device)
+        self._step = torch.compile(self._forward, dynamic=False, options=options)
+        self.cuda_graphs = model.device.type == "cuda" and bool(options.get("triton.cudagraphs"))
+        # on a CPU in float32, attention reads the paged cache in our C++ kernel (no gather, no mask, no SDPA call)
+        self.fused_attention = (model.device.type == "cpu" and model.dtype == torch.float32
+                                and cpu_kernels.unavailable() is None)
         self.report: CompileReport | None = None
         self.calls: Counter[int] = Counter()  # steps run per bucket
 
@@ -181,9 +218,12 @@ class CompiledDecoder:
         token_ids, positions = batch.token_ids, batch.positions
         if pad:
             token_ids, positions = F.pad(token_ids, (0, pad)), F.pad(positions, (0, pad))
-        with bound(cache.bind(batch)):
+        with bound(cache.bind(batch), self.fused_attention):
+            if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs
+                torch.compiler.cudagraph_mark_step_begin()
             logits = self._step(token_ids, positions)
-        return logits[:batch.num_tokens]
+        # a CUDA graph's output lives in its memory pool, which the next replay reuses: keep a copy
+        return logits[:batch.num_tokens].clone() if self.cuda_graphs else logits[:batch.num_tokens]
 
     def compile(self, cache: PagedKVCache) -> CompileReport:
         """Trace and build every bucket now, on a throwaway batch that writes only block 0, then clear it."""

@@ -36,9 +36,9 @@ covers the source, the flags, torch's version and the CPU's flags, so a build
 is reused until one of them changes.
 Building needs a C++ compiler and ``ninja``; :func:`unavailable` says which is missing.
 
-The ops are registered as ``torch.library`` custom ops (``enginelib::int8_linear``,
-``enginelib::int4_linear``) with fake implementations, so ``torch.compile``
-traces around them.
+The kernels are torch operators (``enginelib::int8_linear``, ``enginelib::int4_linear``),
+declared in Python with fake implementations, so ``torch.compile`` traces around
+them, and implemented in C++, so a call never re-enters Python.
 """
 from __future__ import annotations
 
@@ -54,11 +54,13 @@ import torch
 
 SOURCE = r"""
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <cstdint>
 #include <algorithm>
 #include <cmath>
+#include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -309,6 +311,99 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   });
   return y;
 }
+
+// ---------------------------------------------------------------- decode attention over the paged cache
+
+namespace {
+
+// q . k over one head (d floats), and y += p * v: the two loops attention runs per key
+inline float dot(const float* a, const float* b, int64_t d, bool simd) {
+  int64_t i = 0;
+  float t = 0.f;
+#ifdef __AVX2__
+  if (simd) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= d; i += 16) {
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    t = hsum(_mm256_add_ps(acc0, acc1));
+  }
+#endif
+  for (; i < d; ++i) t += a[i] * b[i];
+  return t;
+}
+
+inline void axpy(float p, const float* v, float* y, int64_t d, bool simd) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  if (simd) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(y + i)));
+  }
+#endif
+  for (; i < d; ++i) y[i] += p * v[i];
+}
+
+}  // namespace
+
+// One query per sequence (a decode step) attends to its first context_lens[s] keys, found through its
+// block table; no keys are gathered or copied. out[s, h] = softmax(q[s, h] . K / sqrt(D)) V, with K, V
+// the keys and values of KV head h / (H / KV) (grouped-query attention).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, bool simd) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [S, H, D]");
+  for (const at::Tensor* t : {&k_pool, &v_pool})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->is_contiguous() && t->sizes() == k_pool.sizes(),
+                "k_pool and v_pool must be contiguous float32 [num_blocks, block_size, KV, D]");
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NB = k_pool.size(0), BS = k_pool.size(1), KV = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == D && H % KV == 0, "q has ", H, " heads of ", D, ", the cache ", KV, " of ", k_pool.size(3));
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == S &&
+              block_tables.is_contiguous(), "block_tables must be contiguous int64 [S, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.numel() == S && context_lens.is_contiguous(),
+              "context_lens must be contiguous int64 [S]");
+  const int64_t W = block_tables.size(1);
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {  // checked here: an exception inside the threads below would be late
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= W * BS, "sequence ", s, " has ", lens[s], " keys; its table holds ", W * BS);
+    for (int64_t b = 0; b < (lens[s] + BS - 1) / BS; ++b)
+      TORCH_CHECK(bt[s * W + b] >= 0 && bt[s * W + b] < NB, "block ", bt[s * W + b], " is outside the pool of ", NB);
+  }
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const int64_t G = H / KV;
+  at::parallel_for(0, S * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / H, kvh = (i % H) / G, len = lens[s];
+      const float* qi = qp + i * D;
+      auto row = [&](int64_t t) { return (bt[s * W + t / BS] * BS + t % BS) * KV * D + kvh * D; };
+      p.resize(len);
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < len; ++t) mx = std::max(mx, p[t] = dot(qi, kp + row(t), D, simd) * scale);
+      float sum = 0.f;
+      for (int64_t t = 0; t < len; ++t) sum += p[t] = std::exp(p[t] - mx);
+      float* o = op + i * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t t = 0; t < len; ++t) axpy(p[t] / sum, vp + row(t), o, D, simd);
+    }
+  });
+  return out;
+}
+
+// The kernels of the operators that cpu_kernels.py declares: torch's dispatcher calls them without
+// entering Python, in eager steps and from inductor's compiled code alike.
+TORCH_LIBRARY_IMPL(enginelib, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("decode_attention", &decode_attention);
+}
 """
 
 FUNCTIONS = ["int8_linear", "int4_linear", "has_simd"]
@@ -395,26 +490,58 @@ def has_simd() -> bool:
     return bool(load().has_simd())
 
 
-# ---------------------------------------------------------------- custom ops, traceable by torch.compile
+# ---------------------------------------------------------------- operators, traceable by torch.compile
 
-@torch.library.custom_op("enginelib::int8_linear", mutates_args=())
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, simd: bool = True) -> torch.Tensor:
-    """``x [M, K] float32 @ (q [N, K] int8 * scale [N, 1]).T`` -> [M, N] float32."""
-    return load().int8_linear(x.contiguous(), q, scale, simd)
+# Declared here, implemented in C++ (TORCH_LIBRARY_IMPL above, registered when the build loads): a call goes
+# straight from torch's dispatcher to the kernel, with no Python in between (a Python custom op costs tens
+# of microseconds a call, and a decode step makes 121 of them).
+torch.library.define("enginelib::int8_linear", "(Tensor x, Tensor q, Tensor scale, bool simd=True) -> Tensor")
+torch.library.define("enginelib::int4_linear",
+                     "(Tensor x, Tensor codes, Tensor scale, Tensor minimum, bool simd=True) -> Tensor")
 
 
-@int8_linear.register_fake
+@torch.library.register_fake("enginelib::int8_linear")
 def _(x, q, scale, simd=True):
     return x.new_empty(x.shape[0], q.shape[0])
 
 
-@torch.library.custom_op("enginelib::int4_linear", mutates_args=())
+@torch.library.register_fake("enginelib::int4_linear")
+def _(x, codes, scale, minimum, simd=True):
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+torch.library.define("enginelib::decode_attention", "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
+                     "Tensor context_lens, bool simd=True) -> Tensor")
+
+
+@torch.library.register_fake("enginelib::decode_attention")
+def _(q, k_pool, v_pool, block_tables, context_lens, simd=True):
+    return torch.empty_like(q)
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, simd: bool = True) -> torch.Tensor:
+    """One query per sequence over its first ``context_lens[s]`` keys, read through ``block_tables``.
+
+    q: [S, H, D] float32; k_pool, v_pool: [num_blocks, block_size, KV, D], one
+    layer's pool; block_tables: [S, max_blocks] int64. Returns [S, H, D]. The
+    paged-attention kernel of a decode step, with no keys gathered or copied.
+    """
+    if _module is None:
+        load()
+    return torch.ops.enginelib.decode_attention(q.contiguous(), k_pool, v_pool, block_tables, context_lens, simd)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, simd: bool = True) -> torch.Tensor:
+    """``x [M, K] float32 @ (q [N, K] int8 * scale [N, 1]).T`` -> [M, N] float32."""
+    if _module is None:
+        load()
+    return torch.ops.enginelib.int8_linear(x.contiguous(), q, scale, simd)
+
+
 def int4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                 simd: bool = True) -> torch.Tensor:
     """``x [M, K] float32`` times the int4 weight (codes [N, K/32, 16], float16 scale and minimum [N, K/32])."""
-    return load().int4_linear(x.contiguous(), codes, scale, minimum, simd)
-
-
-@int4_linear.register_fake
-def _(x, codes, scale, minimum, simd=True):
-    return x.new_empty(x.shape[0], codes.shape[0])
+    if _module is None:
+        load()
+    return torch.ops.enginelib.int4_linear(x.contiguous(), codes, scale, minimum, simd)

@@ -173,11 +173,15 @@ class PagedKVCache:
         self._groups = _attention_groups(batch, self.block_size, self.num_groups, self.k.dtype)
         return self
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write this step's K/V into their slots (one vectorized copy), then attend through the blocks."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's K/V ([1, N, KV, D]) in their slots: one vectorized copy each."""
         slots = self.batch.slot_mapping
         self.k[layer].view(-1, *k.shape[2:]).index_copy_(0, slots, k[0])
         self.v[layer].view(-1, *v.shape[2:]).index_copy_(0, slots, v[0])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V into their slots, then attend through the blocks."""
+        self.write(layer, k, v)
         if len(self._groups) == 1 and self._groups[0].whole:
             return paged_attention(q[0], self.k[layer], self.v[layer], self._groups[0])[None]
         out = torch.empty_like(q[0])

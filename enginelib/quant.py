@@ -261,22 +261,30 @@ def _int4pack_run(x: torch.Tensor, p: _Int4Packed) -> torch.Tensor:
 
 
 def _int4pack_unprepare(p: _Int4Packed) -> QuantizedWeight:
-    """Undo torch's layout: rows in blocks of ``b``, byte (k, r) of a block holds rows r and r + b/2 at column k.
+    """Undo torch's layout, whatever it is on this CPU and torch version, by asking the packer where codes go.
 
-    The block size depends on the CPU's vector width, so each candidate is
-    checked by packing the result again and comparing bytes.
+    The layout depends on the vector width (blocks of 32 or 64 rows, partial
+    blocks at the end), so it is read off, not assumed: packing the hex digits
+    of each code's index shows, nibble by nibble, which index landed there.
     """
-    n, half_k = p.data.shape
-    k = 2 * half_k
-    for b in (32, 64, 16):
-        if n % b:
-            continue
-        blocks = p.data.reshape(n // b, k, b // 2)
-        codes = torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
-        if torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1), p.data):
-            return QuantizedWeight("int4", pack_int4(codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE)), p.scale, p.minimum)
-    raise RuntimeError("torch's int4 CPU layout is not one this version knows how to undo; "
-                       "quantize with kernel='reference' to keep the stored form")
+    n, k = p.data.shape[0], 2 * p.data.shape[1]
+    index = torch.arange(n * k)
+    source = torch.zeros(n * k, dtype=torch.long)  # packed nibble -> the (row, column) index it holds
+    for shift in range(0, max(4, (n * k - 1).bit_length()), 4):
+        digit = ((index >> shift) & 15).reshape(n, k).to(torch.int32)
+        source |= _nibbles(torch.ops.aten._convert_weight_to_int4pack_for_cpu(digit, 1)).long() << shift
+    if not torch.equal(source.sort().values, index):
+        raise RuntimeError("torch's int4 CPU layout is not a rearrangement of the codes in this version; "
+                           "quantize with kernel='reference' to keep the stored form")
+    codes = torch.empty(n * k, dtype=torch.uint8)
+    codes[source] = _nibbles(p.data)
+    return QuantizedWeight("int4", pack_int4(codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE)), p.scale, p.minimum)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes -> their 4-bit halves, low first, flat."""
+    flat = packed.flatten()
+    return torch.stack([flat & 15, flat >> 4], dim=-1).flatten()
 
 
 def _cpp_int8(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:

@@ -41,10 +41,26 @@ def test_compiled_decode_gives_the_eager_tokens_on_the_real_model(real, agree):
     lengths = [12, 7]  # two sequences, then one padded up to the one bucket
     engine = Engine(model, tok, EngineConfig(compile=CompileConfig(batch_sizes=(2,))))
     assert set(engine.compile_report.seconds) == {2} and engine.compile_report.total_seconds > 0
+    # on a CPU in float32 attention runs in our C++ decode kernel (the oracle below is the eager SDPA path)
+    assert engine.compiled.fused_attention == (DEVICE.type == "cpu" and model.dtype == torch.float32)
     got = _run(engine, prompts, lengths)
     expected = _run(Engine(model, tok), prompts, lengths)
     agree(model, prompts, got, expected)
     assert engine.compiled.calls[2] == max(lengths) - 1  # every decode step, none eager
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda" or compile_unavailable(DEVICE) is not None,
+                    reason="CUDA graphs need a GPU (ENGINELIB_TEST_DEVICE=cuda)")
+def test_cuda_graphs_replay_between_the_attention_calls(real, agree):
+    model, tok = real
+    prompts = [chat_ids(tok, q) for q in ("What is a KV cache?", "Name three colours.", "Why is the sky blue?")]
+    lengths = [14, 9, 5]  # three sequences in the bucket of 4, then two, then one
+    engine = Engine(model, tok, EngineConfig(compile=CompileConfig(batch_sizes=(1, 2, 4), mode="reduce-overhead")))
+    assert engine.compiled.cuda_graphs
+    got = _run(engine, prompts, lengths)
+    expected = _run(Engine(model, tok), prompts, lengths)
+    agree(model, prompts, got, expected)
+    assert sum(engine.compiled.calls.values()) == max(lengths) - 1
 
 
 @needs_compiler
@@ -88,6 +104,8 @@ def test_bad_compile_settings_are_refused(real):
     for sizes in ((), (0, 2), (4, 2), (2, 2), (1.5,)):
         with pytest.raises(ValueError, match="batch_sizes"):
             CompileConfig(batch_sizes=sizes)
+    with pytest.raises(ValueError, match="mode must be"):
+        CompileConfig(mode="fastest")
     assert "not supported" in compile_unavailable(torch.device("meta"))
 
 

@@ -133,3 +133,24 @@ def test_engine_batch_equals_each_request_alone(real_f32):
     while engine.has_unfinished_requests():
         engine.step()
     assert [engine.request(i).output_token_ids for i in ids] == alone
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_decode_attention_reads_keys_through_the_block_tables(simd):
+    """The fused decode attention equals softmax(q K^T / sqrt(D)) V over keys gathered by hand, GQA heads shared."""
+    g = torch.Generator().manual_seed(5)
+    num_blocks, block_size, kv, h, d = 12, 4, 3, 9, 64
+    k_pool, v_pool = (torch.randn(num_blocks, block_size, kv, d, generator=g) for _ in range(2))
+    tables = torch.tensor([[7, 2, 9, 0], [3, 11, 0, 0], [5, 0, 0, 0]])  # padded with block 0, never read
+    lens = torch.tensor([14, 6, 1])
+    q = torch.randn(3, h, d, generator=g)
+    got = cpu_kernels.decode_attention(q, k_pool, v_pool, tables, lens, simd)
+    for s in range(3):
+        slots = (tables[s][:, None] * block_size + torch.arange(block_size)).flatten()[:lens[s]]
+        k, v = (pool.flatten(0, 1)[slots].repeat_interleave(h // kv, dim=1) for pool in (k_pool, v_pool))
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[s], k) / d ** 0.5, dim=-1)
+        torch.testing.assert_close(got[s], torch.einsum("ht,thd->hd", weights, v), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="sequence 1 has 17 keys; its table holds 16"):
+        cpu_kernels.decode_attention(q, k_pool, v_pool, tables, torch.tensor([14, 17, 1]))
+    with pytest.raises(RuntimeError, match="block 12 is outside the pool of 12"):
+        cpu_kernels.decode_attention(q, k_pool, v_pool, tables.masked_fill(tables == 11, 12), lens)

@@ -16,8 +16,10 @@ import torch
 
 from ..baselines import generate_cached, generate_naive
 from ..device import PackedLinear, pick_device, set_threads
-from ..engine import EngineConfig
+from ..compiled import CompileConfig, compile_unavailable
+from ..engine import Engine, EngineConfig
 from ..model import Transformer
+from ..quant import quantize
 from ..scheduler import SchedulerConfig
 from ..tokenizer import Tokenizer
 from ..weights import DEFAULT_MODEL, load_model
@@ -29,7 +31,7 @@ from .memory import concurrency, kv_waste
 from .quantization import quant_effect
 from .report import _print_summary, _print_table, _ratios
 from .results import SystemResult, _check_same_tokens, _same_texts
-from .roofline import _roofline, decode_step_time
+from .roofline import _roofline, decode_step_time, engine_decode_step_time
 from .scheduling import chunked_prefill_effect, prefix_cache_effect
 from .serving import serve_args, serve_effect
 from .spec_decode import spec_decode_effect
@@ -134,6 +136,16 @@ def main(argv: list[str] | None = None) -> dict:
             peer.close()
 
 
+def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str) -> tuple[Engine, str]:
+    """The engine as fast as it goes at batch 1, for the llama.cpp comparison: the GGUF's own mix
+    (int4 layers, int8 head) and decode compiled for batch 1 where compiling is available."""
+    small = quantize(model, "int4", kernel, head="int8")
+    compile = CompileConfig(batch_sizes=(1,)) if compile_unavailable(model.device) is None else None
+    engine = Engine(small, tok, EngineConfig(scheduler=SchedulerConfig(1, 2048), record=True, compile=compile))
+    kernels = ", ".join(sorted(set(small.quant_info.kernels.values())))
+    return engine, f"int4 layers, int8 head ({kernels} kernels){', compiled' if compile else ''}"
+
+
 def quick_kernel(device: torch.device) -> str:
     """--quick's quantized kernel, untimed: our C++ one where it builds (on a CPU), else the reference."""
     from ..quant import kernel_unavailable
@@ -211,11 +223,15 @@ def _measure(args: argparse.Namespace, systems: tuple[str, ...], served: str | N
         def engine_step(batch: int, new_tokens: int) -> float:
             return decode_step_time(model, tok, batch, new_tokens)[0]
 
-        report[llama.NAME] = llama.llama_cpp_effect(peer, model, tok, args.quick, engine_step)
+        fast, fast_format = fastest_single_stream(model, tok, args.quant_kernel)
+        report[llama.NAME] = llama.llama_cpp_effect(
+            peer, model, tok, args.quick, engine_step, fast_format=fast_format,
+            fast_step=lambda batch, new_tokens: engine_decode_step_time(fast, tok, batch, new_tokens)[0])
         if "engine" in first:
             report[llama.NAME] |= llama.agreement(first["engine"], first[llama.NAME])
         report["ratios"]["single_stream_vs_llama_cpp"] = report[llama.NAME]["single_stream_ratio"]
         report["ratios"]["decode_b32_vs_llama_cpp"] = report[llama.NAME]["decode_b32_ratio"]
+        report["ratios"]["single_stream_fastest_vs_llama_cpp"] = report[llama.NAME]["fast_single_stream_ratio"]
     if not args.no_spec_decode:
         start = time.perf_counter()
         report["spec_decode"] = spec_decode_effect(model, tok, args.quick, args.spec_k)

@@ -33,6 +33,7 @@ def compile_effect(model: Transformer, tok: Tokenizer, quick: bool) -> dict:
     Both run the model as loaded; the eager one with its oneDNN-packed linears
     on a CPU (the fastest eager path), the compiled one with inductor's own
     packing, built for batch 1 (and 8) when the engine is: ``compile_seconds``.
+    On a GPU the same is measured again with CUDA graphs (``cuda_graphs``).
     """
     reason = compile_unavailable(model.device)
     if reason:
@@ -41,9 +42,18 @@ def compile_effect(model: Transformer, tok: Tokenizer, quick: bool) -> dict:
     sizes = (1,) if quick else (1, 8)
     chats = [_chat(tok, q) for q in QUESTIONS[:8]]
     eager = Engine(model, tok, EngineConfig())
-    fast = Engine(model, tok, EngineConfig(compile=CompileConfig(batch_sizes=sizes)))
-    for engine in (eager, fast):  # one-off costs out of the measurement
-        _decode(engine, chats[:1], 4, 1)
+    _decode(eager, chats[:1], 4, 1)  # one-off costs out of the measurement
+    report = _against_eager(eager, Engine(model, tok, EngineConfig(compile=CompileConfig(batch_sizes=sizes))),
+                            chats, n, new)
+    if model.device.type == "cuda":
+        graphs = CompileConfig(batch_sizes=sizes, mode="reduce-overhead")
+        report["cuda_graphs"] = _against_eager(eager, Engine(model, tok, EngineConfig(compile=graphs)), chats, n, new)
+    return report
+
+
+def _against_eager(eager: Engine, fast: Engine, chats: list[list[int]], n: int, new: int) -> dict:
+    sizes = fast.compiled.config.batch_sizes
+    _decode(fast, chats[:1], 4, 1)
     report: dict = {"batch_sizes": list(sizes), "mode": fast.compiled.config.mode, "max_tokens": new,
                     "compile_seconds": {str(b): s for b, s in fast.compile_report.seconds.items()}}
     for batch, prompts in ((1, chats[:n]), (8, chats[:8])):

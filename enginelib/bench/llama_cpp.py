@@ -316,7 +316,8 @@ def agreement(ours: SystemResult, theirs: SystemResult) -> dict:
 
 
 def llama_cpp_effect(peer: LlamaCpp, model: Transformer, tok: Tokenizer, quick: bool,
-                     engine_step: Callable[[int, int], float], rounds: int = 2) -> dict:
+                     engine_step: Callable[[int, int], float], rounds: int = 2,
+                     fast_step: Callable[[int, int], float] | None = None, fast_format: str | None = None) -> dict:
     """Single-stream and batch-32 decode, the engine's against llama.cpp's, alternated in the same process.
 
     ``engine_step(batch, new_tokens)`` is the engine's median decode step
@@ -324,11 +325,15 @@ def llama_cpp_effect(peer: LlamaCpp, model: Transformer, tok: Tokenizer, quick: 
     here, on the same prompts and token counts (16 quick, 64 full; batch 32:
     8 quick, 32 full). The two alternate ``rounds`` times and each keeps its
     best round, so a burst of load from elsewhere hurts neither side alone.
+    ``fast_step``: the engine at its fastest single stream (``fast_format``,
+    e.g. quantized and compiled), measured at batch 1 in the same rounds.
     """
     new1, new32 = (16, 8) if quick else (64, 32)
     figures: dict[str, list[float]] = collections.defaultdict(list)
     for _ in range(rounds):
         figures["engine_b1"].append(1 / engine_step(1, new1))
+        if fast_step is not None:
+            figures["fast_b1"].append(1 / fast_step(1, new1))
         figures["llama_cpp_b1"].append(1 / decode_step_time(peer, tok, 1, new1))
         if peer.max_num_seqs >= 32:
             figures["engine_b32"].append(32 / engine_step(32, new32))
@@ -343,5 +348,7 @@ def llama_cpp_effect(peer: LlamaCpp, model: Transformer, tok: Tokenizer, quick: 
             "decode_tokens": new1, "decode_tokens_b32": new32, "rounds": rounds, "threads": peer.threads,
             "device": peer.device,
             "version": peer.version, "gguf": peer.path.name, "format": gguf_format(peer.path),
-            "engine_format": engine_format(model)}
+            "engine_format": engine_format(model),
+            "fast_single_stream_tok_per_s": best.get("fast_b1"), "fast_format": fast_format,
+            "fast_single_stream_ratio": best["fast_b1"] / best["llama_cpp_b1"] if "fast_b1" in best else None}
 

@@ -50,6 +50,9 @@ def _print_summary(report: dict) -> None:
               f"single-stream decode {p['engine_single_stream_tok_per_s']:.1f} vs {p['single_stream_tok_per_s']:.1f} "
               f"tok/s ({p['single_stream_ratio']:.2f}x){b32}; {_fmt(p.get('texts_equal'), 100, 0)}% of greedy "
               f"outputs equal")
+        if p.get("fast_single_stream_ratio") is not None:
+            print(f"  the engine at its fastest single stream ({p['fast_format']}): "
+                  f"{p['fast_single_stream_tok_per_s']:.1f} tok/s ({p['fast_single_stream_ratio']:.2f}x llama.cpp)")
     if "prefix_cache" in report:
         p, c = report["prefix_cache"], report["chunked_prefill"]
         print(f"prefix cache (shared-prefix): TTFT p50 {_fmt(p['ttft_p50_on_s'], 1e3, 0)} ms with, "
@@ -83,10 +86,13 @@ def _print_summary(report: dict) -> None:
         if "unavailable" in c:
             print(f"compile: skipped ({c['unavailable']})")
         else:
-            line = ", ".join(f"{c[f'speedup_b{b}']:.2f}x at batch {b}" for b in c["batch_sizes"])
-            print(f"compile: decode {line} vs eager; compiling took "
-                  f"{', '.join(f'{s:.0f} s (batch {b})' for b, s in c['compile_seconds'].items())}; "
-                  f"{c['tokens_equal_b1']:.0%} of outputs equal eager's")
+            for name, sec in (("compile", c), ("compile + CUDA graphs", c.get("cuda_graphs"))):
+                if sec is None:
+                    continue
+                line = ", ".join(f"{sec[f'speedup_b{b}']:.2f}x at batch {b}" for b in sec["batch_sizes"])
+                print(f"{name}: decode {line} vs eager; compiling took "
+                      f"{', '.join(f'{s:.0f} s (batch {b})' for b, s in sec['compile_seconds'].items())}; "
+                      f"{sec['tokens_equal_b1']:.0%} of outputs equal eager's")
     if "kv_waste" in report:
         w, c = report["kv_waste"], report["concurrency"]
         print(f"KV waste: paged {w['paged']:.1%} vs reserve-{w['max_len']} {w['contiguous']:.1%}; "

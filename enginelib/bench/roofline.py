@@ -54,14 +54,20 @@ def decode_flops_per_token(model: Transformer, context: int) -> float:
 def decode_step_time(model: Transformer, tok: Tokenizer, batch: int, new_tokens: int) -> tuple[float, int]:
     """Median time of pure decode steps with ``batch`` running requests, and their mean context."""
     engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(batch, max(2048, batch * 64)), record=True))
+    return engine_decode_step_time(engine, tok, batch, new_tokens)
+
+
+def engine_decode_step_time(engine: Engine, tok: Tokenizer, batch: int, new_tokens: int) -> tuple[float, int]:
+    """:func:`decode_step_time` on an engine already built (``record=True``), e.g. one compiled once."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(_chat(tok, QUESTIONS[i % len(QUESTIONS)]), params)
+    first = len(engine.history)
     while engine.has_unfinished_requests():
         engine.step()
-    times = [b.time - a.time for a, b in zip(engine.history, engine.history[1:])
-             if not b.prefill and len(b.scheduled) == batch]
-    context = statistics.mean(sum(b.num_cached.values()) / batch for b in engine.history if b.num_cached)
+    history = engine.history[first:]
+    times = [b.time - a.time for a, b in zip(history, history[1:]) if not b.prefill and len(b.scheduled) == batch]
+    context = statistics.mean(sum(b.num_cached.values()) / batch for b in history if b.num_cached)
     return statistics.median(times), int(context)
 
 
