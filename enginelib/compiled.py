@@ -115,10 +115,9 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) 
     cache = _bound.cache
     batch = cache.batch
     n = batch.num_tokens
-    if _bound.fused:
-        cache.write(layer, k[:, :n], v[:, :n])
-        real = cpu_kernels.decode_attention(q[0, :n], cache.k[layer], cache.v[layer], batch.block_tables,
-                                            batch.context_lens)[None]
+    if _bound.fused:  # writes the new K/V too
+        real = cpu_kernels.decode_attention(q[0, :n], k[0, :n], v[0, :n], cache.k[layer], cache.v[layer],
+                                            batch.block_tables, batch.context_lens, check=False)[None]
     elif n == q.shape[1]:
         return cache.attend(layer, q, k, v)
     else:
@@ -218,6 +217,8 @@ class CompiledDecoder:
         token_ids, positions = batch.token_ids, batch.positions
         if pad:
             token_ids, positions = F.pad(token_ids, (0, pad)), F.pad(positions, (0, pad))
+        if self.fused_attention:  # once for the step's 30 attention calls
+            cpu_kernels.check_tables(batch.block_tables, batch.context_lens, cache.num_blocks, cache.block_size)
         with bound(cache.bind(batch), self.fused_attention):
             if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs
                 torch.compiler.cudagraph_mark_step_begin()

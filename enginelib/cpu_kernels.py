@@ -112,6 +112,61 @@ void int4_plain(const float* x, const float* xsum, const uint8_t* codes, const u
   }
 }
 
+// ---------------------------------------------------------------- activations rounded to int8 (the q8 kernels)
+
+// Each row's groups of 32 as int8 codes qx and one float scale dx (x ~ qx * dx, |qx| <= 127), and the
+// sum of the *rounded* group, dx * sum(qx), for int4's minimum term: both terms then multiply the same
+// rounded x, whose error meets the zero-centred weight (c * s + m), not the all-positive codes c alone.
+// (GGUF's Q8_1 blocks keep the same sum.) The SIMD and plain paths share these codes.
+void quantize_x(const float* x, int8_t* qx, float* dx, float* xsum, int64_t groups) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * GROUP;
+    float amax = 0.f;
+    for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xg[j]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      qx[g * GROUP + j] = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+      sum += qx[g * GROUP + j];
+    }
+    dx[g] = d;
+    xsum[g] = d * float(sum);
+  }
+}
+
+void int8q8_plain(const int8_t* qx, const float* dx, const int8_t* q, const float* scale, float* y,
+                  int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t G = K / GROUP;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < GROUP; ++j) dot += int32_t(qx[m * K + g * GROUP + j]) * q[n * K + g * GROUP + j];
+        acc += float(dot) * dx[m * G + g];
+      }
+      y[m * N + n] = acc * scale[n];
+    }
+}
+
+void int4q8_plain(const int8_t* qx, const float* dx, const float* xsum, const uint8_t* codes, const uint16_t* scale,
+                  const uint16_t* minimum, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t G = K / GROUP;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* b = codes + (n * G + g) * 16;
+        const int8_t* xg = qx + m * K + g * GROUP;
+        int32_t dot = 0;
+        for (int j = 0; j < 16; ++j) dot += int32_t(xg[j]) * (b[j] & 15) + int32_t(xg[j + 16]) * (b[j] >> 4);
+        acc += half_to_float(scale[n * G + g]) * dx[m * G + g] * float(dot)
+             + half_to_float(minimum[n * G + g]) * xsum[m * G + g];
+      }
+      y[m * N + n] = acc;
+    }
+}
+
 #ifdef __AVX2__
 // ---------------------------------------------------------------- AVX2 + FMA
 
@@ -234,12 +289,97 @@ template <int MR, int NR> struct Int4Tile {
     int4_tile<MR, NR>(x, xs, c, s, mn, y, N, K, m, n);
   }
 };
+// The q8 tiles: integer products of 32 codes with 32 rounded activations per instruction pair
+// (maddubs: unsigned x signed bytes -> pairs summed to int16; madd with ones -> 8 int32), one float
+// multiply-add per group with the two scales. llama.cpp's Q4_1 x Q8_1 dot product works the same way.
+inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+template <int MR, int NR>
+void int8q8_tile(const int8_t* qx, const float* dx, const int8_t* q, const float* scale, float* y,
+                 int64_t N, int64_t K, int64_t m0, int64_t n0) {
+  const int64_t G = K / GROUP;
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i xv[MR];
+    __m256 d[MR];
+    for (int i = 0; i < MR; ++i) {
+      xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + (m0 + i) * K + g * GROUP));
+      d[i] = _mm256_set1_ps(dx[(m0 + i) * G + g]);
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n0 + j) * K + g * GROUP));
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned; the sign moves onto x
+      for (int i = 0; i < MR; ++i)
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(aw, _mm256_sign_epi8(xv[i], w))), d[i], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) * scale[n0 + j];
+}
+
+template <int MR, int NR>
+void int4q8_tile(const int8_t* qx, const float* dx, const float* xsum, const uint8_t* codes, const uint16_t* scale,
+                 const uint16_t* minimum, float* y, int64_t N, int64_t K, int64_t m0, int64_t n0) {
+  const int64_t G = K / GROUP;
+  __m256 acc[MR][NR];
+  float mins[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) { acc[i][j] = _mm256_setzero_ps(); mins[i][j] = 0.f; }
+  const __m128i mask = _mm_set1_epi8(15);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i xv[MR];
+    for (int i = 0; i < MR; ++i)
+      xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + (m0 + i) * K + g * GROUP));
+    for (int j = 0; j < NR; ++j) {
+      const int64_t at = (n0 + j) * G + g;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + at * 16));
+      const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+      const float s = half_to_float(scale[at]), mn = half_to_float(minimum[at]);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 d = _mm256_set1_ps(s * dx[(m0 + i) * G + g]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(c, xv[i])), d, acc[i][j]);
+        mins[i][j] = std::fma(mn, xsum[(m0 + i) * G + g], mins[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) + mins[i][j];
+}
+
+template <int MR, int NR> struct Int8Q8Tile {
+  static void run(const int8_t* qx, const float* dx, const int8_t* q, const float* s, float* y, int64_t N,
+                  int64_t K, int64_t m, int64_t n) { int8q8_tile<MR, NR>(qx, dx, q, s, y, N, K, m, n); }
+};
+template <int MR, int NR> struct Int4Q8Tile {
+  static void run(const int8_t* qx, const float* dx, const float* xs, const uint8_t* c, const uint16_t* s,
+                  const uint16_t* mn, float* y, int64_t N, int64_t K, int64_t m, int64_t n) {
+    int4q8_tile<MR, NR>(qx, dx, xs, c, s, mn, y, N, K, m, n);
+  }
+};
 #endif  // __AVX2__
 
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous float32 CPU matrix [M, K]");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
+}
+
+void check_int8(const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "q must be contiguous int8 [N, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(0) && scale.is_contiguous(),
+              "scale must be contiguous float32 [N]");
+}
+
+void check_int4(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& minimum) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 && codes.is_contiguous(),
+              "codes must be contiguous uint8 [N, K/32, 16]");
+  for (const at::Tensor* t : {&scale, &minimum})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 2 && t->size(0) == codes.size(0) &&
+                t->size(1) == codes.size(1) && t->is_contiguous(), "scale and minimum must be contiguous float16 [N, K/32]");
 }
 
 // Rows per task: at least ~64K weights, so small layers do not pay for threads they cannot use.
@@ -256,9 +396,7 @@ bool has_simd() {
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, bool simd) {
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "q must be contiguous int8 [N, K]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(0) && scale.is_contiguous(),
-              "scale must be contiguous float32 [N]");
+  check_int8(q, scale);
   const int64_t M = x.size(0), N = q.size(0), K = q.size(1);
   check_x(x, K);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -277,12 +415,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                        const at::Tensor& minimum, bool simd) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 && codes.is_contiguous(),
-              "codes must be contiguous uint8 [N, K/32, 16]");
+  check_int4(codes, scale, minimum);
   const int64_t M = x.size(0), N = codes.size(0), G = codes.size(1), K = G * GROUP;
-  for (const at::Tensor* t : {&scale, &minimum})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 2 && t->size(0) == N && t->size(1) == G &&
-                t->is_contiguous(), "scale and minimum must be contiguous float16 [N, K/32]");
   check_x(x, K);
   // [M, G]: each group's sum of x, added in one fixed order (torch's sum may vectorize differently for
   // different M, and a row must give the same bits alone or in a batch)
@@ -308,6 +442,62 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     if (simd) { tiles<Int4Tile>(M, n0, n1, xp, xs, cp, sp, mp, yp, N, K); return; }
 #endif
     int4_plain(xp, xs, cp, sp, mp, yp, M, N, K, n0, n1);
+  });
+  return y;
+}
+
+// The q8 kernels: x rounded to int8 per group of 32 first (once per call, not per output row).
+struct RoundedX {
+  at::Tensor qx, dx, xsum;  // [M, K] int8, [M, G] float32 (scales), [M, G] float32 (sums)
+  explicit RoundedX(const at::Tensor& x) {
+    const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
+    TORCH_CHECK(K % GROUP == 0, "the q8 kernels need K to be a multiple of ", GROUP, ", got ", K);
+    qx = at::empty({M, K}, x.options().dtype(at::kChar));
+    dx = at::empty({M, G}, x.options());
+    xsum = at::empty({M, G}, x.options());
+    quantize_x(x.data_ptr<float>(), qx.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>(), M * G);
+  }
+};
+
+at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, bool simd) {
+  check_int8(q, scale);
+  const int64_t M = x.size(0), N = q.size(0), K = q.size(1);
+  check_x(x, K);
+  const RoundedX r(x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* qx = r.qx.data_ptr<int8_t>();
+  const float* dx = r.dx.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain(K), [&](int64_t n0, int64_t n1) {
+#ifdef __AVX2__
+    if (simd) { tiles<Int8Q8Tile>(M, n0, n1, qx, dx, qp, sp, yp, N, K); return; }
+#endif
+    int8q8_plain(qx, dx, qp, sp, yp, M, N, K, n0, n1);
+  });
+  return y;
+}
+
+at::Tensor int4q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                         const at::Tensor& minimum, bool simd) {
+  check_int4(codes, scale, minimum);
+  const int64_t M = x.size(0), N = codes.size(0), G = codes.size(1), K = G * GROUP;
+  check_x(x, K);
+  const RoundedX r(x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* qx = r.qx.data_ptr<int8_t>();
+  const float* dx = r.dx.data_ptr<float>();
+  const float* xs = r.xsum.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain(K), [&](int64_t n0, int64_t n1) {
+#ifdef __AVX2__
+    if (simd) { tiles<Int4Q8Tile>(M, n0, n1, qx, dx, xs, cp, sp, mp, yp, N, K); return; }
+#endif
+    int4q8_plain(qx, dx, xs, cp, sp, mp, yp, M, N, K, n0, n1);
   });
   return y;
 }
@@ -347,12 +537,17 @@ inline void axpy(float p, const float* v, float* y, int64_t d, bool simd) {
 
 }  // namespace
 
-// One query per sequence (a decode step) attends to its first context_lens[s] keys, found through its
-// block table; no keys are gathered or copied. out[s, h] = softmax(q[s, h] . K / sqrt(D)) V, with K, V
-// the keys and values of KV head h / (H / KV) (grouped-query attention).
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, bool simd) {
+// A decode step's attention, one new token per sequence: its key and value k[s], v[s] are written at
+// its last position (context_lens[s] - 1, through its block table), then its query attends to its
+// first context_lens[s] keys where they lie; no keys are gathered or copied.
+// out[s, h] = softmax(q[s, h] . K / sqrt(D)) V, with K, V of KV head h / (H / KV) (grouped-query attention).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
+                            at::Tensor& v_pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            bool simd) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [S, H, D]");
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous() && t->size(0) == q.size(0) &&
+                t->size(1) == k_pool.size(2) && t->size(2) == q.size(2), "k and v must be contiguous float32 [S, KV, D]");
   for (const at::Tensor* t : {&k_pool, &v_pool})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->is_contiguous() && t->sizes() == k_pool.sizes(),
                 "k_pool and v_pool must be contiguous float32 [num_blocks, block_size, KV, D]");
@@ -371,14 +566,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
     for (int64_t b = 0; b < (lens[s] + BS - 1) / BS; ++b)
       TORCH_CHECK(bt[s * W + b] >= 0 && bt[s * W + b] < NB, "block ", bt[s * W + b], " is outside the pool of ", NB);
   }
+  for (int64_t s = 0; s < S; ++s) {  // the new keys and values, KV * D floats each, at their slots
+    const int64_t t = lens[s] - 1, slot = bt[s * W + t / BS] * BS + t % BS;
+    std::copy_n(k.data_ptr<float>() + s * KV * D, KV * D, k_pool.data_ptr<float>() + slot * KV * D);
+    std::copy_n(v.data_ptr<float>() + s * KV * D, KV * D, v_pool.data_ptr<float>() + slot * KV * D);
+  }
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_pool.data_ptr<float>();
   const float* vp = v_pool.data_ptr<float>();
+  int64_t keys = 0;
+  for (int64_t s = 0; s < S; ++s) keys += lens[s];
+  // (sequence, head) pairs per task: ~64K multiply-adds each, so a short step runs in this thread alone
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) * S / std::max<int64_t>(1, 2 * keys * D));
   float* op = out.data_ptr<float>();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t G = H / KV;
-  at::parallel_for(0, S * H, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, S * H, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> p;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / H, kvh = (i % H) / G, len = lens[s];
@@ -402,6 +606,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 TORCH_LIBRARY_IMPL(enginelib, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int8q8_linear", &int8q8_linear);
+  m.impl("int4q8_linear", &int4q8_linear);
   m.impl("decode_attention", &decode_attention);
 }
 """
@@ -495,53 +701,126 @@ def has_simd() -> bool:
 # Declared here, implemented in C++ (TORCH_LIBRARY_IMPL above, registered when the build loads): a call goes
 # straight from torch's dispatcher to the kernel, with no Python in between (a Python custom op costs tens
 # of microseconds a call, and a decode step makes 121 of them).
-torch.library.define("enginelib::int8_linear", "(Tensor x, Tensor q, Tensor scale, bool simd=True) -> Tensor")
-torch.library.define("enginelib::int4_linear",
-                     "(Tensor x, Tensor codes, Tensor scale, Tensor minimum, bool simd=True) -> Tensor")
+for _q8 in ("", "q8"):  # int8_linear, int8q8_linear (activations rounded to int8 too), int4_linear, int4q8_linear
+    torch.library.define(f"enginelib::int8{_q8}_linear", "(Tensor x, Tensor q, Tensor scale, bool simd=True) -> Tensor")
+    torch.library.define(f"enginelib::int4{_q8}_linear",
+                         "(Tensor x, Tensor codes, Tensor scale, Tensor minimum, bool simd=True) -> Tensor")
+torch.library.define("enginelib::decode_attention", "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+                     "Tensor block_tables, Tensor context_lens, bool simd=True) -> Tensor")
 
 
 @torch.library.register_fake("enginelib::int8_linear")
+@torch.library.register_fake("enginelib::int8q8_linear")
 def _(x, q, scale, simd=True):
     return x.new_empty(x.shape[0], q.shape[0])
 
 
 @torch.library.register_fake("enginelib::int4_linear")
+@torch.library.register_fake("enginelib::int4q8_linear")
 def _(x, codes, scale, minimum, simd=True):
     return x.new_empty(x.shape[0], codes.shape[0])
 
 
-torch.library.define("enginelib::decode_attention", "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-                     "Tensor context_lens, bool simd=True) -> Tensor")
 
 
 @torch.library.register_fake("enginelib::decode_attention")
-def _(q, k_pool, v_pool, block_tables, context_lens, simd=True):
+def _(q, k, v, k_pool, v_pool, block_tables, context_lens, simd=True):
     return torch.empty_like(q)
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, simd: bool = True) -> torch.Tensor:
-    """One query per sequence over its first ``context_lens[s]`` keys, read through ``block_tables``.
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, simd: bool = True,
+                     check: bool = True) -> torch.Tensor:
+    """A decode step's attention over one layer's paged pool, with one new token per sequence.
 
-    q: [S, H, D] float32; k_pool, v_pool: [num_blocks, block_size, KV, D], one
-    layer's pool; block_tables: [S, max_blocks] int64. Returns [S, H, D]. The
-    paged-attention kernel of a decode step, with no keys gathered or copied.
+    q: [S, H, D], k, v: [S, KV, D] float32, the new token's; k_pool, v_pool:
+    [num_blocks, block_size, KV, D]; block_tables: [S, max_blocks] int64;
+    context_lens: [S], the keys each sequence has with its new one. Writes k, v
+    at each sequence's last position, then returns [S, H, D]: the paged-attention
+    kernel of a decode step, with no keys gathered or copied. ``check=False``
+    skips :func:`check_tables`, for a caller that ran it once for all layers.
     """
     if _module is None:
         load()
-    return torch.ops.enginelib.decode_attention(q.contiguous(), k_pool, v_pool, block_tables, context_lens, simd)
+    if check:
+        check_tables(block_tables, context_lens, k_pool.shape[0], k_pool.shape[1])
+    _check(q.dim() == 3 and k.dim() == v.dim() == 3 and k_pool.dim() == 4 and k.shape == v.shape
+           == (q.shape[0], k_pool.shape[2], q.shape[2]) and k_pool.shape == v_pool.shape
+           and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v, k_pool, v_pool)),
+           "decode_attention takes float32 CPU q [S, H, D], k and v [S, KV, D], pools [blocks, block_size, KV, D]")
+    _check(block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.dim() == 2
+           and block_tables.shape[0] == context_lens.numel() == q.shape[0],
+           "block_tables must be int64 [S, max_blocks] and context_lens int64 [S]")
+    return torch.ops.enginelib.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_pool, v_pool,
+                                                block_tables, context_lens, simd)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise RuntimeError(message)
+
+
+def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """What :func:`decode_attention` reads through: every sequence has 1 to (its table's) keys, and the
+    blocks holding them are in the pool. Checked in Python for the reason :func:`_ready` gives."""
+    width = block_tables.shape[1]
+    bad = ((context_lens < 1) | (context_lens > width * block_size)).nonzero()
+    if len(bad):
+        s = int(bad[0])
+        raise RuntimeError(f"sequence {s} has {int(context_lens[s])} keys; its table holds {width * block_size}")
+    used = block_tables[torch.arange(width) < ((context_lens + block_size - 1) // block_size)[:, None]]
+    outside = used[(used < 0) | (used >= num_blocks)]
+    _check(len(outside) == 0, f"block {int(outside[0]) if len(outside) else 0} is outside the pool of {num_blocks}")
+
+
+def _ready(x: torch.Tensor, k: int, weight_ok: bool, weight_shape: str) -> torch.Tensor:
+    """Build the kernels if needed, and check the arguments here, in Python. The C++ checks them too,
+    but an error thrown there must cross torch's dispatcher, and on one machine (torch 2.11, the host's
+    g++) that crossing crashed the process instead of raising."""
+    if _module is None:
+        load()
+    _check(weight_ok, f"the weight must be {weight_shape}")
+    _check(x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2,
+           "x must be a contiguous float32 CPU matrix [M, K]")
+    _check(x.shape[1] == k, f"x has {x.shape[1]} columns, the weight {k}")
+    return x.contiguous()
+
+
+def _int8_ok(q: torch.Tensor, scale: torch.Tensor) -> bool:
+    return q.dtype == torch.int8 and q.dim() == 2 and scale.dtype == torch.float32 and scale.numel() == q.shape[0]
+
+
+def _int4_ok(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> bool:
+    return (codes.dtype == torch.uint8 and codes.dim() == 3 and codes.shape[2] == 16
+            and all(t.dtype == torch.float16 and t.shape == codes.shape[:2] for t in (scale, minimum)))
+
+
+INT8 = "int8 [N, K] with float32 scales [N]"
+INT4 = "uint8 codes [N, K/32, 16] with float16 scales and minimums [N, K/32]"
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, simd: bool = True) -> torch.Tensor:
     """``x [M, K] float32 @ (q [N, K] int8 * scale [N, 1]).T`` -> [M, N] float32."""
-    if _module is None:
-        load()
-    return torch.ops.enginelib.int8_linear(x.contiguous(), q, scale, simd)
+    x = _ready(x, q.shape[-1], _int8_ok(q, scale), INT8)
+    return torch.ops.enginelib.int8_linear(x, q, scale, simd)
 
 
 def int4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                 simd: bool = True) -> torch.Tensor:
     """``x [M, K] float32`` times the int4 weight (codes [N, K/32, 16], float16 scale and minimum [N, K/32])."""
-    if _module is None:
-        load()
-    return torch.ops.enginelib.int4_linear(x.contiguous(), codes, scale, minimum, simd)
+    x = _ready(x, codes.shape[1] * 32 if codes.dim() == 3 else -1, _int4_ok(codes, scale, minimum), INT4)
+    return torch.ops.enginelib.int4_linear(x, codes, scale, minimum, simd)
+
+
+def int8q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, simd: bool = True) -> torch.Tensor:
+    """:func:`int8_linear` with ``x`` rounded to int8 per group of 32 and integer products (K % 32 == 0)."""
+    x = _ready(x, q.shape[-1], _int8_ok(q, scale), INT8)
+    _check(x.shape[1] % 32 == 0, f"the q8 kernels need K to be a multiple of 32, got {x.shape[1]}")
+    return torch.ops.enginelib.int8q8_linear(x, q, scale, simd)
+
+
+def int4q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                  simd: bool = True) -> torch.Tensor:
+    """:func:`int4_linear` with ``x`` rounded to int8 per group of 32 and integer products."""
+    x = _ready(x, codes.shape[1] * 32 if codes.dim() == 3 else -1, _int4_ok(codes, scale, minimum), INT4)
+    return torch.ops.enginelib.int4q8_linear(x, codes, scale, minimum, simd)

@@ -10,7 +10,7 @@ them in fewer bytes is the main lever. Each format here has two parts:
   dequantizes and calls ``F.linear``: the few lines a chapter writes by hand, and
   the oracle every faster kernel is compared with. The others are library ops
   (torch's weight-only int8/int4 matmuls, fbgemm's int8 GEMM) and our own C++
-  loop (``cpp``, :mod:`enginelib.cpu_kernels`), whose speed depends on the
+  loops (``cpp``, ``cpp_q8``, :mod:`enginelib.cpu_kernels`), whose speed depends on the
   device and the shape, so ``kernel="auto"`` *measures* them on
   each distinct weight shape and keeps the fastest that matches the reference
   (fastest: least time per token at batch 1 plus per token at batch 32).
@@ -30,9 +30,10 @@ activations to 8 bits, errs by several percent on this model's real activations
 (outlier channels) and loses its perplexity: ``auto`` rejects it. So the
 ``cpp`` kernel is our own (:mod:`enginelib.cpu_kernels`, built on first use with
 the machine's C++ compiler): one fused loop that reads the int8/int4 bytes,
-dequantizes them in vector registers and multiply-adds in float32 (on the
-2-core AVX2 machine the book was measured on, ``auto`` chose it for every int8
-and int4 shape).
+dequantizes them in vector registers and multiply-adds in float32. Its twin
+``cpp_q8`` also rounds the activations, per group of 32, to int8 (one scale per
+group, error about 0.5% per layer) and multiplies integers, 32 products per pair of
+AVX2 instructions, as llama.cpp does; ``auto`` weighs its error like fbgemm's.
 On CUDA the reference, ``native`` half matmuls and ``int8pack`` run (checked on
 an H200 with torch 2.11).
 """
@@ -300,6 +301,14 @@ def _cpp_run(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return _cpp_int8(x, qw) if qw.fmt == "int8" else _cpp_int4(x, qw)
 
 
+def _cpp_q8_run(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    x32 = x.float().contiguous()
+    if qw.fmt == "int8":
+        return cpu_kernels.int8q8_linear(x32, qw.data.contiguous(), qw.scale.contiguous()).to(x.dtype)
+    return cpu_kernels.int4q8_linear(x32, qw.data.contiguous(), qw.scale.contiguous(),
+                                     qw.minimum.contiguous()).to(x.dtype)
+
+
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("reference", FORMATS, ("cpu", "cuda"), _same, _reference, _same,
            doc="dequantize, then F.linear: the oracle"),
@@ -313,6 +322,8 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            doc="torch._weight_int4pack_mm_for_cpu: weight-only int4, groups of 32"),
     Kernel("cpp", ("int8", "int4"), ("cpu",), _same, _cpp_run, _same,
            doc="enginelib.cpu_kernels: our C++ loop, codes dequantized in AVX2 registers, float32 accumulation"),
+    Kernel("cpp_q8", ("int8", "int4"), ("cpu",), _same, _cpp_q8_run, _same, exact=False,
+           doc="our C++ loop with activations rounded to int8 per group of 32 and integer products (llama.cpp's way)"),
 )}
 
 
@@ -331,7 +342,9 @@ def kernel_unavailable(name: str, fmt: str, shape: tuple[int, int], device: torc
         return "this torch build has no torch._weight_int8pack_mm"
     if name == "int4pack" and (not hasattr(torch, "_weight_int4pack_mm_for_cpu") or n % 32):
         return "torch._weight_int4pack_mm_for_cpu is missing, or the output size is not a multiple of 32"
-    if name == "cpp":  # builds the kernels the first time it is asked (then cached on disk)
+    if name == "cpp_q8" and shape[1] % GROUP_SIZE:
+        return f"kernel 'cpp_q8' rounds activations in groups of {GROUP_SIZE}: the input size {shape[1]} is not a multiple"
+    if name in ("cpp", "cpp_q8"):  # builds the kernels the first time it is asked (then cached on disk)
         return cpu_kernels.unavailable()
     return None
 

@@ -53,6 +53,31 @@ def test_kernels_equal_the_reference(fmt, n, k, simd):
         assert rel(got, want) < TOL, f"{fmt} {n}x{k}, M={m}, simd={simd}: error {rel(got, want):.2g}"
 
 
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the q8 kernels see it: each group of 32 rounded to int8 steps of (its largest |x|) / 127."""
+    g = x.view(x.shape[0], -1, 32)
+    d = g.abs().amax(dim=-1, keepdim=True) / 127
+    return ((g * (1 / d)).round() * d).view_as(x)
+
+
+# N = 13 and M = 1, 3, 32 cover every tile shape, as above; K = 160: five groups of 32
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "plain"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_q8_kernels_multiply_the_rounded_activations_exactly(fmt, simd):
+    """cpp_q8 = (x rounded per group of 32) times the stored weight, up to float32 rounding: the only
+    error is the activations' rounding, about 0.5%; and a row gets the same bits alone or in a batch."""
+    for n in (13, 96):
+        qw = quantize_weight(weight(n, 160, seed=n), fmt)
+        kernel = cpu_kernels.int8q8_linear if fmt == "int8" else cpu_kernels.int4q8_linear
+        args = (qw.data, qw.scale) if fmt == "int8" else (qw.data, qw.scale, qw.minimum)
+        for m in (1, 3, 32):
+            x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m))
+            got = kernel(x, *args, simd=simd)
+            assert rel(got, torch.nn.functional.linear(rounded(x), qw.dequantize())) < TOL
+            assert 1e-3 < rel(got, torch.nn.functional.linear(x, qw.dequantize())) < 1e-2
+            assert torch.equal(kernel(x[-1:], *args, simd=simd)[0], got[-1])
+
+
 def test_the_simd_path_is_built_where_the_cpu_has_avx2():
     flags = cpu_kernels._cpu_flags().split()
     if "avx2" in flags and "fma" in flags:
@@ -136,21 +161,25 @@ def test_engine_batch_equals_each_request_alone(real_f32):
 
 
 @pytest.mark.parametrize("simd", [True, False])
-def test_decode_attention_reads_keys_through_the_block_tables(simd):
-    """The fused decode attention equals softmax(q K^T / sqrt(D)) V over keys gathered by hand, GQA heads shared."""
+def test_decode_attention_writes_the_new_keys_and_reads_through_the_block_tables(simd):
+    """The fused decode attention stores each new K/V at its sequence's last position, then equals
+    softmax(q K^T / sqrt(D)) V over keys gathered by hand, each KV head shared by H / KV query heads."""
     g = torch.Generator().manual_seed(5)
     num_blocks, block_size, kv, h, d = 12, 4, 3, 9, 64
     k_pool, v_pool = (torch.randn(num_blocks, block_size, kv, d, generator=g) for _ in range(2))
     tables = torch.tensor([[7, 2, 9, 0], [3, 11, 0, 0], [5, 0, 0, 0]])  # padded with block 0, never read
     lens = torch.tensor([14, 6, 1])
-    q = torch.randn(3, h, d, generator=g)
-    got = cpu_kernels.decode_attention(q, k_pool, v_pool, tables, lens, simd)
+    q, k, v = torch.randn(3, h, d, generator=g), torch.randn(3, kv, d, generator=g), torch.randn(3, kv, d, generator=g)
+    before = k_pool.clone()
+    got = cpu_kernels.decode_attention(q, k, v, k_pool, v_pool, tables, lens, simd)
     for s in range(3):
         slots = (tables[s][:, None] * block_size + torch.arange(block_size)).flatten()[:lens[s]]
-        k, v = (pool.flatten(0, 1)[slots].repeat_interleave(h // kv, dim=1) for pool in (k_pool, v_pool))
-        weights = torch.softmax(torch.einsum("hd,thd->ht", q[s], k) / d ** 0.5, dim=-1)
-        torch.testing.assert_close(got[s], torch.einsum("ht,thd->hd", weights, v), rtol=1e-5, atol=1e-5)
+        assert torch.equal(k_pool.flatten(0, 1)[slots[-1]], k[s]) and torch.equal(v_pool.flatten(0, 1)[slots[-1]], v[s])
+        keys, values = (pool.flatten(0, 1)[slots].repeat_interleave(h // kv, dim=1) for pool in (k_pool, v_pool))
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[s], keys) / d ** 0.5, dim=-1)
+        torch.testing.assert_close(got[s], torch.einsum("ht,thd->hd", weights, values), rtol=1e-5, atol=1e-5)
+    assert (k_pool != before).flatten(2).any(-1).sum() == 3  # nothing else written
     with pytest.raises(RuntimeError, match="sequence 1 has 17 keys; its table holds 16"):
-        cpu_kernels.decode_attention(q, k_pool, v_pool, tables, torch.tensor([14, 17, 1]))
+        cpu_kernels.decode_attention(q, k, v, k_pool, v_pool, tables, torch.tensor([14, 17, 1]))
     with pytest.raises(RuntimeError, match="block 12 is outside the pool of 12"):
-        cpu_kernels.decode_attention(q, k_pool, v_pool, tables.masked_fill(tables == 11, 12), lens)
+        cpu_kernels.decode_attention(q, k, v, k_pool, v_pool, tables.masked_fill(tables == 11, 12), lens)

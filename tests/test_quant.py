@@ -98,7 +98,8 @@ def test_fast_kernels_match_the_reference(name, shape):
         got = layer(x)
         assert got.shape == want.shape == (7, 3, shape[0])
         rel = ((got - want).norm() / want.norm()).item()
-        tol = {"fbgemm": 3e-2, "native": 2 ** -7}.get(name, 1e-5)  # native rounds activations to the half dtype
+        # native rounds activations to the half dtype; cpp_q8 to int8 per group of 32 (half a step: ~0.5%)
+        tol = {"fbgemm": 3e-2, "native": 2 ** -7, "cpp_q8": 1e-2}.get(name, 1e-5)
         assert KERNELS[name].exact == (tol == 1e-5)
         assert rel <= tol, f"{name} on {fmt}: relative error {rel:.2g} > {tol}"
         back = layer.quantized_weight()  # the kernel's layout gives the stored form back, bit for bit

@@ -19,7 +19,7 @@ from ..device import PackedLinear, pick_device, set_threads
 from ..compiled import CompileConfig, compile_unavailable
 from ..engine import Engine, EngineConfig
 from ..model import Transformer
-from ..quant import quantize
+from ..quant import kernel_unavailable, quantize
 from ..scheduler import SchedulerConfig
 from ..tokenizer import Tokenizer
 from ..weights import DEFAULT_MODEL, load_model
@@ -138,7 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str) -> tuple[Engine, str]:
     """The engine as fast as it goes at batch 1, for the llama.cpp comparison: the GGUF's own mix
-    (int4 layers, int8 head) and decode compiled for batch 1 where compiling is available."""
+    (int4 layers, int8 head) with integer-product kernels (``cpp_q8``, llama.cpp's way) where they
+    build, else ``kernel``, and decode compiled for batch 1 where compiling is available."""
+    if kernel_unavailable("cpp_q8", "int4", (32, 32), model.device) is None:
+        kernel = "cpp_q8"
     small = quantize(model, "int4", kernel, head="int8")
     compile = CompileConfig(batch_sizes=(1,)) if compile_unavailable(model.device) is None else None
     engine = Engine(small, tok, EngineConfig(scheduler=SchedulerConfig(1, 2048), record=True, compile=compile))
@@ -148,8 +151,6 @@ def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str) -> tu
 
 def quick_kernel(device: torch.device) -> str:
     """--quick's quantized kernel, untimed: our C++ one where it builds (on a CPU), else the reference."""
-    from ..quant import kernel_unavailable
-
     return "cpp" if kernel_unavailable("cpp", "int8", (32, 32), device) is None else "reference"
 
 
