@@ -12,7 +12,12 @@ verification of guesses, batches bigger than the last bucket) runs eagerly.
 Attention is the one part the compiler must not see inside: which blocks a
 sequence reads changes every step. It runs as an opaque custom operator,
 ``enginelib::paged_attend``, that reads the step's :class:`PagedKVCache`, bound
-before each call, the way vLLM's attention reads its "forward context".
+before each call, the way vLLM's attention reads its "forward context". On a
+CPU in float32 that operator runs our C++ decode kernel
+(:func:`enginelib.cpu_kernels.decode_attention`: it writes the new K/V and reads
+keys through the block tables); elsewhere the cache's own ``attend``. With
+``mode="reduce-overhead"`` on a GPU, inductor's graph partition replays CUDA
+graphs for the pieces between the attention calls.
 """
 from __future__ import annotations
 
