@@ -742,17 +742,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     """
     if _module is None:
         load()
-    if check:
-        check_tables(block_tables, context_lens, k_pool.shape[0], k_pool.shape[1])
     _check(q.dim() == 3 and k.dim() == v.dim() == 3 and k_pool.dim() == 4 and k.shape == v.shape
            == (q.shape[0], k_pool.shape[2], q.shape[2]) and k_pool.shape == v_pool.shape
+           and k_pool.is_contiguous() and v_pool.is_contiguous()
            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v, k_pool, v_pool)),
-           "decode_attention takes float32 CPU q [S, H, D], k and v [S, KV, D], pools [blocks, block_size, KV, D]")
+           "decode_attention takes float32 CPU q [S, H, D], k and v [S, KV, D], contiguous pools "
+           "[blocks, block_size, KV, D]")
     _check(block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.dim() == 2
            and block_tables.shape[0] == context_lens.numel() == q.shape[0],
            "block_tables must be int64 [S, max_blocks] and context_lens int64 [S]")
+    if check:
+        check_tables(block_tables, context_lens, k_pool.shape[0], k_pool.shape[1])
     return torch.ops.enginelib.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_pool, v_pool,
-                                                block_tables, context_lens, simd)
+                                                block_tables.contiguous(), context_lens.contiguous(), simd)
 
 
 def _check(ok: bool, message: str) -> None:
