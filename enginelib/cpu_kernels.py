@@ -291,9 +291,30 @@ template <int MR, int NR> struct Int4Tile {
 };
 // The q8 tiles: integer products of 32 codes with 32 rounded activations per instruction pair
 // (maddubs: unsigned x signed bytes -> pairs summed to int16; madd with ones -> 8 int32), one float
-// multiply-add per group with the two scales. llama.cpp's Q4_1 x Q8_1 dot product works the same way.
+// multiply-add per group with the two scales, as llama.cpp's Q4_1 x Q8_1 dot product. int4 takes its
+// float16 scales and minimums eight groups at a time (F16C): the product of the scales goes to a small
+// array that each group broadcasts from, and the minimums' share (minimum x sum of x) is one vector
+// multiply-add per eight groups, instead of two float16 conversions and scalar arithmetic per group.
 inline __m256i dot_u8_s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// one group's 16 bytes -> its 32 codes (low nibbles: codes 0-15, high: 16-31)
+inline __m256i nibbles(const uint8_t* b) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+}
+
+inline __m256 halves8(const uint16_t* p) {  // 8 float16 -> 8 float32
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float f[8];
+  for (int u = 0; u < 8; ++u) f[u] = half_to_float(p[u]);
+  return _mm256_loadu_ps(f);
+#endif
 }
 
 template <int MR, int NR>
@@ -304,17 +325,13 @@ void int8q8_tile(const int8_t* qx, const float* dx, const int8_t* q, const float
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256i xv[MR];
-    __m256 d[MR];
-    for (int i = 0; i < MR; ++i) {
-      xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + (m0 + i) * K + g * GROUP));
-      d[i] = _mm256_set1_ps(dx[(m0 + i) * G + g]);
-    }
     for (int j = 0; j < NR; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n0 + j) * K + g * GROUP));
-      const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned; the sign moves onto x
-      for (int i = 0; i < MR; ++i)
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(aw, _mm256_sign_epi8(xv[i], w))), d[i], acc[i][j]);
+      const __m256i w = load32(q + (n0 + j) * K + g * GROUP);
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned; its sign moves onto x
+      for (int i = 0; i < MR; ++i) {
+        const __m256i v = dot_u8_s8(aw, _mm256_sign_epi8(load32(qx + (m0 + i) * K + g * GROUP), w));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(dx + (m0 + i) * G + g), acc[i][j]);
+      }
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -324,30 +341,41 @@ void int8q8_tile(const int8_t* qx, const float* dx, const int8_t* q, const float
 template <int MR, int NR>
 void int4q8_tile(const int8_t* qx, const float* dx, const float* xsum, const uint8_t* codes, const uint16_t* scale,
                  const uint16_t* minimum, float* y, int64_t N, int64_t K, int64_t m0, int64_t n0) {
-  const int64_t G = K / GROUP;
+  const int64_t G = K / GROUP, G8 = G & ~int64_t(7);
   __m256 acc[MR][NR];
-  float mins[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) { acc[i][j] = _mm256_setzero_ps(); mins[i][j] = 0.f; }
-  const __m128i mask = _mm_set1_epi8(15);
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i xv[MR];
-    for (int i = 0; i < MR; ++i)
-      xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + (m0 + i) * K + g * GROUP));
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  alignas(32) float d[MR][8];  // this run's scale x activation scale, per row and group
+  for (int64_t g = 0; g < G8; g += 8) {
     for (int j = 0; j < NR; ++j) {
       const int64_t at = (n0 + j) * G + g;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + at * 16));
-      const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
-      const float s = half_to_float(scale[at]), mn = half_to_float(minimum[at]);
+      const __m256 s = halves8(scale + at), mn = halves8(minimum + at);
       for (int i = 0; i < MR; ++i) {
-        const __m256 d = _mm256_set1_ps(s * dx[(m0 + i) * G + g]);
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(c, xv[i])), d, acc[i][j]);
-        mins[i][j] = std::fma(mn, xsum[(m0 + i) * G + g], mins[i][j]);
+        _mm256_store_ps(d[i], _mm256_mul_ps(s, _mm256_loadu_ps(dx + (m0 + i) * G + g)));
+        acc[i][j] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xsum + (m0 + i) * G + g), acc[i][j]);  // minimum * sum of x
+      }
+      for (int u = 0; u < 8; ++u) {
+        const __m256i c = nibbles(codes + (at + u) * 16);
+        for (int i = 0; i < MR; ++i) {
+          const __m256i v = dot_u8_s8(c, load32(qx + (m0 + i) * K + (g + u) * GROUP));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_broadcast_ss(&d[i][u]), acc[i][j]);
+        }
       }
     }
   }
+  for (int64_t g = G8; g < G; ++g)  // the groups left over, one at a time
+    for (int j = 0; j < NR; ++j) {
+      const int64_t at = (n0 + j) * G + g;
+      const __m256i c = nibbles(codes + at * 16);
+      const float s = half_to_float(scale[at]), mn = half_to_float(minimum[at]);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i v = dot_u8_s8(c, load32(qx + (m0 + i) * K + g * GROUP));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s * dx[(m0 + i) * G + g]), acc[i][j]);
+        acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_setr_ps(mn * xsum[(m0 + i) * G + g], 0, 0, 0, 0, 0, 0, 0));
+      }
+    }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) + mins[i][j];
+    for (int j = 0; j < NR; ++j) y[(m0 + i) * N + n0 + j] = hsum(acc[i][j]);
 }
 
 template <int MR, int NR> struct Int8Q8Tile {

@@ -60,18 +60,20 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
     return ((g * (1 / d)).round() * d).view_as(x)
 
 
-# N = 13 and M = 1, 3, 32 cover every tile shape, as above; K = 160: five groups of 32
+# N = 13 and M = 1, 3, 32 cover every tile shape, as above; K = 160: five groups of 32 (each alone);
+# K = 576, the model's: eighteen, two runs of eight summed together and two alone
 @pytest.mark.parametrize("simd", [True, False], ids=["avx2", "plain"])
+@pytest.mark.parametrize("k", [160, 576])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_q8_kernels_multiply_the_rounded_activations_exactly(fmt, simd):
+def test_q8_kernels_multiply_the_rounded_activations_exactly(fmt, k, simd):
     """cpp_q8 = (x rounded per group of 32) times the stored weight, up to float32 rounding: the only
     error is the activations' rounding, about 0.5%; and a row gets the same bits alone or in a batch."""
     for n in (13, 96):
-        qw = quantize_weight(weight(n, 160, seed=n), fmt)
+        qw = quantize_weight(weight(n, k, seed=n), fmt)
         kernel = cpu_kernels.int8q8_linear if fmt == "int8" else cpu_kernels.int4q8_linear
         args = (qw.data, qw.scale) if fmt == "int8" else (qw.data, qw.scale, qw.minimum)
         for m in (1, 3, 32):
-            x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m))
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             got = kernel(x, *args, simd=simd)
             assert rel(got, torch.nn.functional.linear(rounded(x), qw.dequantize())) < TOL
             assert 1e-3 < rel(got, torch.nn.functional.linear(x, qw.dequantize())) < 1e-2
