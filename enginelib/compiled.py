@@ -10,12 +10,15 @@ front, as vLLM captures its graph sizes. Everything else (prefills, chunks,
 verification of guesses, batches bigger than the last bucket) runs eagerly.
 
 Attention is the one part the compiler must not see inside: which blocks a
-sequence reads changes every step. It runs as an opaque custom operator,
-``enginelib::paged_attend``, that reads the step's :class:`PagedKVCache`, bound
-before each call, the way vLLM's attention reads its "forward context". On a
-CPU in float32 that operator runs our C++ decode kernel
-(:func:`enginelib.cpu_kernels.decode_attention`: it writes the new K/V and reads
-keys through the block tables); elsewhere the cache's own ``attend``. With
+sequence reads changes every step. On a CPU in float32 it is our C++ decode
+kernel (:func:`enginelib.cpu_kernels.decode_attention`: it writes the new K/V and
+reads keys through the block tables), called by the compiled code itself: the
+block tables, the context lengths and the cache's pools are inputs of the graph,
+the tables padded to a fixed width and padding rows given no keys, so one graph
+serves every step and no Python runs between the layers. Elsewhere attention is
+an opaque custom operator, ``enginelib::paged_attend``, that reads the step's
+:class:`PagedKVCache`, bound before each call, the way vLLM's attention reads its
+"forward context", and runs the cache's own ``attend``. With
 ``mode="reduce-overhead"`` on a GPU, inductor's graph partition replays CUDA
 graphs for the pieces between the attention calls.
 """
@@ -90,18 +93,14 @@ _bound = threading.local()
 
 
 @contextmanager
-def bound(cache: PagedKVCache, fused: bool = False) -> Iterator[None]:
-    """Make ``cache`` (already bound to the step's batch) the one ``paged_attend`` reads, in this thread.
-
-    ``fused``: attend with our C++ decode kernel (:func:`enginelib.cpu_kernels.decode_attention`),
-    which reads keys through the block tables, instead of gathering them for SDPA.
-    """
-    outer = getattr(_bound, "cache", None), getattr(_bound, "fused", False)
-    _bound.cache, _bound.fused = cache, fused
+def bound(cache: PagedKVCache) -> Iterator[None]:
+    """Make ``cache`` (already bound to the step's batch) the one ``paged_attend`` reads, in this thread."""
+    outer = getattr(_bound, "cache", None)
+    _bound.cache = cache
     try:
         yield
     finally:
-        _bound.cache, _bound.fused = outer
+        _bound.cache = outer
 
 
 # cudagraph_unsafe: with CUDA graphs (mode="reduce-overhead") inductor cuts the graph around this operator and
@@ -118,17 +117,10 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) 
     reached through :func:`bound` and not passed in.
     """
     cache = _bound.cache
-    batch = cache.batch
-    n = batch.num_tokens
-    if _bound.fused:  # writes the new K/V too
-        real = cpu_kernels.decode_attention(q[0, :n], k[0, :n], v[0, :n], cache.k[layer], cache.v[layer],
-                                            batch.block_tables, batch.context_lens, check=False)[None]
-    elif n == q.shape[1]:
-        return cache.attend(layer, q, k, v)
-    else:
-        real = cache.attend(layer, q[:, :n], k[:, :n], v[:, :n])
+    n = cache.batch.num_tokens
     if n == q.shape[1]:
-        return real
+        return cache.attend(layer, q, k, v)
+    real = cache.attend(layer, q[:, :n], k[:, :n], v[:, :n])
     out = q.new_zeros(q.shape)
     out[:, :n] = real
     return out
@@ -144,6 +136,22 @@ class _OpaqueCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.ops.enginelib.paged_attend(q, k, v, layer)
+
+
+@dataclass
+class _GraphCache:
+    """What the traced model sees as its cache on a CPU in float32: the step's tables and the pools,
+    all inputs of the graph, and a call of our C++ decode kernel per layer (it writes the new K/V)."""
+
+    block_tables: torch.Tensor  # [B, width], padded
+    context_lens: torch.Tensor  # [B], 0 for the padding rows
+    k: torch.Tensor             # the cache's pools, [layers, blocks, block_size, KV, D]
+    v: torch.Tensor
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.enginelib.decode_attention(
+            q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), self.k[layer], self.v[layer],
+            self.block_tables, self.context_lens)[None]
 
 
 # --- the compiled decoder --------------------------------------------------------------------
@@ -194,16 +202,25 @@ class CompiledDecoder:
         name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 8 * len(config.batch_sizes)))
         options = _options(config, model.device)
-        self._step = torch.compile(self._forward, dynamic=False, options=options)
-        self.cuda_graphs = model.device.type == "cuda" and bool(options.get("triton.cudagraphs"))
         # on a CPU in float32, attention reads the paged cache in our C++ kernel (no gather, no mask, no SDPA call)
         self.fused_attention = (model.device.type == "cpu" and model.dtype == torch.float32
                                 and cpu_kernels.unavailable() is None)
+        forward = self._forward_fused if self.fused_attention else self._forward
+        self._step = torch.compile(forward, dynamic=False, options=options)
+        self.cuda_graphs = model.device.type == "cuda" and bool(options.get("triton.cudagraphs"))
         self.report: CompileReport | None = None
         self.calls: Counter[int] = Counter()  # steps run per bucket
 
     def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(token_ids, _OpaqueCache(), positions=positions)[0]
+
+    def _forward_fused(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.model(token_ids, _GraphCache(block_tables, context_lens, k, v), positions=positions)[0]
+
+    def table_width(self, cache: PagedKVCache) -> int:
+        """The fixed width the block tables are padded to: the blocks of the longest possible sequence."""
+        return min(cache.num_blocks, -(-self.model.cfg.context_length // cache.block_size))
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest compiled batch size that holds ``num_seqs`` sequences (None: run eagerly)."""
@@ -222,12 +239,17 @@ class CompiledDecoder:
         token_ids, positions = batch.token_ids, batch.positions
         if pad:
             token_ids, positions = F.pad(token_ids, (0, pad)), F.pad(positions, (0, pad))
-        if self.fused_attention:  # once for the step's 30 attention calls
+        if self.fused_attention:
+            # checked once for the step's 30 attention calls, then padded: the graph's shapes are fixed
             cpu_kernels.check_tables(batch.block_tables, batch.context_lens, cache.num_blocks, cache.block_size)
-        with bound(cache.bind(batch), self.fused_attention):
-            if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs
-                torch.compiler.cudagraph_mark_step_begin()
-            logits = self._step(token_ids, positions)
+            tables = batch.block_tables.new_zeros(size, self.table_width(cache))
+            tables[:batch.num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
+            logits = self._step(token_ids, positions, tables, F.pad(batch.context_lens, (0, pad)), cache.k, cache.v)
+        else:
+            with bound(cache.bind(batch)):
+                if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs
+                    torch.compiler.cudagraph_mark_step_begin()
+                logits = self._step(token_ids, positions)
         # a CUDA graph's output lives in its memory pool, which the next replay reuses: keep a copy
         return logits[:batch.num_tokens].clone() if self.cuda_graphs else logits[:batch.num_tokens]
 

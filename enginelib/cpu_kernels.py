@@ -567,7 +567,8 @@ inline void axpy(float p, const float* v, float* y, int64_t d, bool simd) {
 
 // A decode step's attention, one new token per sequence: its key and value k[s], v[s] are written at
 // its last position (context_lens[s] - 1, through its block table), then its query attends to its
-// first context_lens[s] keys where they lie; no keys are gathered or copied.
+// first context_lens[s] keys where they lie; no keys are gathered or copied. A sequence with no keys is
+// padding (a compiled step's batch filled up to its size): nothing is written and its output is zeros.
 // out[s, h] = softmax(q[s, h] . K / sqrt(D)) V, with K, V of KV head h / (H / KV) (grouped-query attention).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
                             at::Tensor& v_pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -590,11 +591,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s) {  // checked here: an exception inside the threads below would be late
-    TORCH_CHECK(lens[s] >= 1 && lens[s] <= W * BS, "sequence ", s, " has ", lens[s], " keys; its table holds ", W * BS);
+    TORCH_CHECK(lens[s] >= 0 && lens[s] <= W * BS, "sequence ", s, " has ", lens[s], " keys; its table holds ", W * BS);
     for (int64_t b = 0; b < (lens[s] + BS - 1) / BS; ++b)
       TORCH_CHECK(bt[s * W + b] >= 0 && bt[s * W + b] < NB, "block ", bt[s * W + b], " is outside the pool of ", NB);
   }
   for (int64_t s = 0; s < S; ++s) {  // the new keys and values, KV * D floats each, at their slots
+    if (lens[s] == 0) continue;  // a padding row
     const int64_t t = lens[s] - 1, slot = bt[s * W + t / BS] * BS + t % BS;
     std::copy_n(k.data_ptr<float>() + s * KV * D, KV * D, k_pool.data_ptr<float>() + slot * KV * D);
     std::copy_n(v.data_ptr<float>() + s * KV * D, KV * D, v_pool.data_ptr<float>() + slot * KV * D);
@@ -763,9 +765,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
 
     q: [S, H, D], k, v: [S, KV, D] float32, the new token's; k_pool, v_pool:
     [num_blocks, block_size, KV, D]; block_tables: [S, max_blocks] int64;
-    context_lens: [S], the keys each sequence has with its new one. Writes k, v
-    at each sequence's last position, then returns [S, H, D]: the paged-attention
-    kernel of a decode step, with no keys gathered or copied. ``check=False``
+    context_lens: [S], the keys each sequence has with its new one (0: a padding
+    row, left alone, zeros out). Writes k, v at each sequence's last position,
+    then returns [S, H, D]: the paged-attention kernel of a decode step, with no
+    keys gathered or copied. ``check=False``
     skips :func:`check_tables`, for a caller that ran it once for all layers.
     """
     if _module is None:
@@ -791,10 +794,10 @@ def _check(ok: bool, message: str) -> None:
 
 
 def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
-    """What :func:`decode_attention` reads through: every sequence has 1 to (its table's) keys, and the
-    blocks holding them are in the pool. Checked in Python for the reason :func:`_ready` gives."""
+    """What :func:`decode_attention` reads through: every sequence has 0 (padding) to (its table's) keys,
+    and the blocks holding them are in the pool. Checked in Python for the reason :func:`_ready` gives."""
     width = block_tables.shape[1]
-    bad = ((context_lens < 1) | (context_lens > width * block_size)).nonzero()
+    bad = ((context_lens < 0) | (context_lens > width * block_size)).nonzero()
     if len(bad):
         s = int(bad[0])
         raise RuntimeError(f"sequence {s} has {int(context_lens[s])} keys; its table holds {width * block_size}")
