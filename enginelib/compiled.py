@@ -52,8 +52,8 @@ class CompileConfig:
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     mode: str | None = None       # torch.compile's mode: None (its default) or e.g. "reduce-overhead" (CUDA graphs)
     freeze: bool = True           # CPU: let inductor treat weights as constants and pre-pack them
-    # CPU: the code that calls each kernel of the step (~400 calls at batch 1) in C++, not Python: about
-    # 2 ms less a step on a 2-core CPU, for a minute or more of extra compiling per bucket
+    # CPU: the code that calls each kernel of the step (~400 calls at batch 1) in C++, not Python: a few
+    # ms less a step at batch 1 on a 2-core CPU, for a minute or more of extra compiling per bucket
     cpp_wrapper: bool = False
     fallback: bool = True         # when compiling is unavailable: run eagerly and say why (False: raise)
 
@@ -91,7 +91,7 @@ def compile_unavailable(device: torch.device | str) -> str | None:
 
 # --- attention as an opaque operator --------------------------------------------------------
 
-# .cache, .fused: the step's cache and attention kernel while a compiled step runs (per thread: engines may share a process)
+# .cache: the step's cache while a compiled step runs paged_attend (per thread: engines may share a process)
 _bound = threading.local()
 
 

@@ -181,7 +181,13 @@ def test_decode_attention_writes_the_new_keys_and_reads_through_the_block_tables
         weights = torch.softmax(torch.einsum("hd,thd->ht", q[s], keys) / d ** 0.5, dim=-1)
         torch.testing.assert_close(got[s], torch.einsum("ht,thd->hd", weights, values), rtol=1e-5, atol=1e-5)
     assert (k_pool != before).flatten(2).any(-1).sum() == 3  # nothing else written
+    # a padding row (a compiled step's batch filled up to its bucket): no keys, nothing written, zeros out
+    written = k_pool.clone()
+    padded = cpu_kernels.decode_attention(q, k, v, k_pool, v_pool, tables, torch.tensor([14, 0, 1]), simd)
+    assert torch.equal(padded[1], torch.zeros(h, d)) and torch.equal(padded[0], got[0]) and torch.equal(k_pool, written)
     with pytest.raises(RuntimeError, match="sequence 1 has 17 keys; its table holds 16"):
         cpu_kernels.decode_attention(q, k, v, k_pool, v_pool, tables, torch.tensor([14, 17, 1]))
+    with pytest.raises(RuntimeError, match="sequence 1 has -1 keys"):
+        cpu_kernels.decode_attention(q, k, v, k_pool, v_pool, tables, torch.tensor([14, -1, 1]))
     with pytest.raises(RuntimeError, match="block 12 is outside the pool of 12"):
         cpu_kernels.decode_attention(q, k, v, k_pool, v_pool, tables.masked_fill(tables == 11, 12), lens)
