@@ -563,6 +563,39 @@ inline void axpy(float p, const float* v, float* y, int64_t d, bool simd) {
   for (; i < d; ++i) y[i] += p * v[i];
 }
 
+// e^x for the scores minus their maximum (x <= 0), 8 at a time: x = n ln2 + r, e^r by Cephes' expf
+// polynomial, times 2^n built in the exponent bits; within a few float32 ulps of std::exp.
+inline float softmax_exp(float* p, int64_t len, float mx, bool simd) {
+  int64_t t = 0;
+  float sum = 0.f;
+#ifdef __AVX2__
+  if (simd) {
+    __m256 total = _mm256_setzero_ps();
+    for (; t + 8 <= len; t += 8) {
+      const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(mx)), _mm256_set1_ps(-87.f));
+      const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+      r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+      __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+      y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+      y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+      y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+      y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+      y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+      y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+      const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+      const __m256 v = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+      _mm256_storeu_ps(p + t, v);
+      total = _mm256_add_ps(total, v);
+    }
+    sum = hsum(total);
+  }
+#endif
+  for (; t < len; ++t) sum += p[t] = std::exp(p[t] - mx);
+  return sum;
+}
+
 }  // namespace
 
 // A decode step's attention, one new token per sequence: its key and value k[s], v[s] are written at
@@ -614,18 +647,25 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t G = H / KV;
   at::parallel_for(0, S * H, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> p;
+    std::vector<int64_t> rows;  // where sequence s's keys start in the pools, walked block by block once
+    int64_t rows_of = -1;       // (a division per key, t / BS, would cost more than the key's arithmetic)
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / H, kvh = (i % H) / G, len = lens[s];
+      if (s != rows_of) {
+        rows.resize(len);
+        for (int64_t t = 0; t < len; ++t) rows[t] = (bt[s * W + t / BS] * BS + t % BS) * KV * D;
+        rows_of = s;
+      }
       const float* qi = qp + i * D;
-      auto row = [&](int64_t t) { return (bt[s * W + t / BS] * BS + t % BS) * KV * D + kvh * D; };
+      const float* ki = kp + kvh * D;
+      const float* vi = vp + kvh * D;
       p.resize(len);
       float mx = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) mx = std::max(mx, p[t] = dot(qi, kp + row(t), D, simd) * scale);
-      float sum = 0.f;
-      for (int64_t t = 0; t < len; ++t) sum += p[t] = std::exp(p[t] - mx);
+      for (int64_t t = 0; t < len; ++t) mx = std::max(mx, p[t] = dot(qi, ki + rows[t], D, simd) * scale);
+      const float inv = 1.f / softmax_exp(p.data(), len, mx, simd);
       float* o = op + i * D;
       std::fill(o, o + D, 0.f);
-      for (int64_t t = 0; t < len; ++t) axpy(p[t] / sum, vp + row(t), o, D, simd);
+      for (int64_t t = 0; t < len; ++t) axpy(p[t] * inv, vi + rows[t], o, D, simd);
     }
   });
   return out;
