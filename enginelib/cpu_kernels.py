@@ -647,8 +647,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t G = H / KV;
   at::parallel_for(0, S * H, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> p;
-    std::vector<int64_t> rows;  // where sequence s's keys start in the pools, walked block by block once
-    int64_t rows_of = -1;       // (a division per key, t / BS, would cost more than the key's arithmetic)
+    std::vector<int64_t> rows;  // where sequence s's keys start in the pools, found once per task, not per
+    int64_t rows_of = -1;       // key and head (the division t / BS costs more than the key's arithmetic)
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / H, kvh = (i % H) / G, len = lens[s];
       if (s != rows_of) {
