@@ -799,8 +799,7 @@ def _(q, k, v, k_pool, v_pool, block_tables, context_lens, simd=True):
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, simd: bool = True,
-                     check: bool = True) -> torch.Tensor:
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, simd: bool = True) -> torch.Tensor:
     """A decode step's attention over one layer's paged pool, with one new token per sequence.
 
     q: [S, H, D], k, v: [S, KV, D] float32, the new token's; k_pool, v_pool:
@@ -808,8 +807,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     context_lens: [S], the keys each sequence has with its new one (0: a padding
     row, left alone, zeros out). Writes k, v at each sequence's last position,
     then returns [S, H, D]: the paged-attention kernel of a decode step, with no
-    keys gathered or copied. ``check=False``
-    skips :func:`check_tables`, for a caller that ran it once for all layers.
+    keys gathered or copied. (A compiled step calls the operator itself, after one
+    :func:`check_tables` for all its layers.)
     """
     if _module is None:
         load()
@@ -822,8 +821,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     _check(block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.dim() == 2
            and block_tables.shape[0] == context_lens.numel() == q.shape[0],
            "block_tables must be int64 [S, max_blocks] and context_lens int64 [S]")
-    if check:
-        check_tables(block_tables, context_lens, k_pool.shape[0], k_pool.shape[1])
+    check_tables(block_tables, context_lens, k_pool.shape[0], k_pool.shape[1])
     return torch.ops.enginelib.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_pool, v_pool,
                                                 block_tables.contiguous(), context_lens.contiguous(), simd)
 
