@@ -2,8 +2,9 @@
 
 An eager decode step runs about thirty small operators per layer, each a
 Python call that dispatches a kernel. ``torch.compile`` traces the step once,
-fuses what it can (norms, RoPE, SwiGLU, residuals) and, on a CPU, lets inductor
-freeze the weights and pre-pack them for oneDNN's matmul; on a GPU the fused
+fuses what it can (norms, RoPE, SwiGLU, residuals) and, on a CPU, can let
+inductor freeze the weights (``freeze=True``: constants of the graph, pre-packed
+for oneDNN's matmul, no longer passed on every call); on a GPU the fused
 kernels replace launches. A traced graph has fixed shapes, so decode batches
 are padded up to a few sizes (*buckets*) and each size is compiled once, up
 front, as vLLM captures its graph sizes. Everything else (prefills, chunks,
@@ -30,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,10 @@ class CompileConfig:
 
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     mode: str | None = None       # torch.compile's mode: None (its default) or e.g. "reduce-overhead" (CUDA graphs)
-    freeze: bool = True           # CPU: let inductor treat weights as constants and pre-pack them
+    # CPU: the weights become constants of the graph (folded, pre-packed for oneDNN, not passed as ~430 arguments
+    # every step): faster steps, and with cpp_wrapper faster compiling too, but with the Python wrapper a bucket
+    # of the 135M model compiles in ~65 s instead of ~25 s on a 2-core CPU
+    freeze: bool = False
     # CPU: the code that calls each kernel of the step (~400 calls at batch 1) in C++, not Python: a few
     # ms less a step at batch 1 on a 2-core CPU, for a minute or more of extra compiling per bucket
     cpp_wrapper: bool = False
@@ -180,8 +184,6 @@ def _options(config: CompileConfig, device: torch.device) -> dict:
     options = dict(torch._inductor.list_mode_options(config.mode)) if config.mode else {}
     # the checks of each operator's output shape cost ~1 ms a step at batch 1; the graph is traced from this model
     options |= {"size_asserts": False, "alignment_asserts": False}
-    if device.type == "cpu" and config.freeze:
-        options["freezing"] = True
     if device.type == "cpu" and config.cpp_wrapper:
         options["cpp_wrapper"] = True
     if options.get("triton.cudagraphs") and hasattr(torch._inductor.config, "graph_partition"):
@@ -213,6 +215,7 @@ class CompiledDecoder:
         forward = self._forward_fused if self.fused_attention else self._forward
         self._step = torch.compile(forward, dynamic=False, options=options)
         self.cuda_graphs = model.device.type == "cuda" and bool(options.get("triton.cudagraphs"))
+        self.freeze = model.device.type == "cpu" and config.freeze
         self.report: CompileReport | None = None
         self.calls: Counter[int] = Counter()  # steps run per bucket
 
@@ -236,9 +239,17 @@ class CompiledDecoder:
         return (batch.num_tokens == batch.num_seqs == len(batch.logits_indices)
                 and self.bucket(batch.num_seqs) is not None)
 
+    def _tracing(self, size: int) -> AbstractContextManager:
+        """With ``freeze``, inductor's freezing switched on while a bucket's first call traces it. Dynamo decides
+        when it traces whether the weights become constants of the graph or inputs passed on every call, so
+        torch.compile's ``options`` (applied later, in inductor) come too late; and patching the config costs
+        ~0.2 ms, too much for every step."""
+        return torch._inductor.config.patch(freezing=True) if self.freeze and not self.calls[size] else nullcontext()
+
     @torch.inference_mode()
     def __call__(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
         size = self.bucket(batch.num_seqs)
+        tracing = self._tracing(size)
         self.calls[size] += 1
         pad = size - batch.num_tokens
         token_ids, positions = batch.token_ids, batch.positions
@@ -249,9 +260,10 @@ class CompiledDecoder:
             cpu_kernels.check_tables(batch.block_tables, batch.context_lens, cache.num_blocks, cache.block_size)
             tables = batch.block_tables.new_zeros(size, self.table_width(cache))
             tables[:batch.num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
-            logits = self._step(token_ids, positions, tables, F.pad(batch.context_lens, (0, pad)), cache.k, cache.v)
+            with tracing:
+                logits = self._step(token_ids, positions, tables, F.pad(batch.context_lens, (0, pad)), cache.k, cache.v)
         else:
-            with bound(cache.bind(batch)):
+            with bound(cache.bind(batch)), tracing:
                 if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs
                     torch.compiler.cudagraph_mark_step_begin()
                 logits = self._step(token_ids, positions)

@@ -301,12 +301,37 @@ def _cpp_run(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return _cpp_int8(x, qw) if qw.fmt == "int8" else _cpp_int4(x, qw)
 
 
-def _cpp_q8_run(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    x32 = x.float().contiguous()
+@dataclass
+class _Interleaved:
+    """A stored weight in the q8 kernels' layout (:func:`cpu_kernels.interleave`: rows in blocks of 4, read as one stream)."""
+
+    fmt: str
+    rows: int
+    data: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+
+
+def _interleave(qw: QuantizedWeight) -> _Interleaved:
+    n, k = qw.shape
     if qw.fmt == "int8":
-        return cpu_kernels.int8q8_linear(x32, qw.data.contiguous(), qw.scale.contiguous()).to(x.dtype)
-    return cpu_kernels.int4q8_linear(x32, qw.data.contiguous(), qw.scale.contiguous(),
-                                     qw.minimum.contiguous()).to(x.dtype)
+        return _Interleaved("int8", n, cpu_kernels.interleave(qw.data.reshape(n, k // GROUP_SIZE, GROUP_SIZE)),
+                            qw.scale.contiguous(), None)
+    return _Interleaved("int4", n, *(cpu_kernels.interleave(t) for t in (qw.data, qw.scale, qw.minimum)))
+
+
+def _deinterleave(w: _Interleaved) -> QuantizedWeight:
+    if w.fmt == "int8":
+        return QuantizedWeight("int8", cpu_kernels.deinterleave(w.data, w.rows).flatten(1).contiguous(), w.scale)
+    return QuantizedWeight("int4", *(cpu_kernels.deinterleave(t, w.rows).contiguous()
+                                     for t in (w.data, w.scale, w.minimum)))
+
+
+def _cpp_q8_run(x: torch.Tensor, w: _Interleaved) -> torch.Tensor:
+    x32 = x.float().contiguous()
+    if w.fmt == "int8":
+        return cpu_kernels.int8q8_linear(x32, w.data, w.scale, w.rows).to(x.dtype)
+    return cpu_kernels.int4q8_linear(x32, w.data, w.scale, w.minimum, w.rows).to(x.dtype)
 
 
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
@@ -322,8 +347,9 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            doc="torch._weight_int4pack_mm_for_cpu: weight-only int4, groups of 32"),
     Kernel("cpp", ("int8", "int4"), ("cpu",), _same, _cpp_run, _same,
            doc="enginelib.cpu_kernels: our C++ loop, codes dequantized in AVX2 registers, float32 accumulation"),
-    Kernel("cpp_q8", ("int8", "int4"), ("cpu",), _same, _cpp_q8_run, _same, exact=False,
-           doc="our C++ loop with activations rounded to int8 per group of 32 and integer products (llama.cpp's way)"),
+    Kernel("cpp_q8", ("int8", "int4"), ("cpu",), _interleave, _cpp_q8_run, _deinterleave, exact=False,
+           doc="our C++ loop with activations rounded to int8 per group of 32 and integer products (llama.cpp's way), "
+               "weights interleaved in blocks of 4 rows"),
 )}
 
 

@@ -60,8 +60,8 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
     return ((g * (1 / d)).round() * d).view_as(x)
 
 
-# N = 13 and M = 1, 3, 32 cover every tile shape, as above; K = 160: five groups of 32 (each alone);
-# K = 576, the model's: eighteen, two runs of eight summed together and two alone
+# The q8 kernels' tiles: one block of 4 output rows by 2 activation rows, then 1 (M = 3); N = 13 ends in a
+# block with one real row. K = 160: five groups of 32; K = 576, the model's: eighteen
 @pytest.mark.parametrize("simd", [True, False], ids=["avx2", "plain"])
 @pytest.mark.parametrize("k", [160, 576])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -71,7 +71,10 @@ def test_q8_kernels_multiply_the_rounded_activations_exactly(fmt, k, simd):
     for n in (13, 96):
         qw = quantize_weight(weight(n, k, seed=n), fmt)
         kernel = cpu_kernels.int8q8_linear if fmt == "int8" else cpu_kernels.int4q8_linear
-        args = (qw.data, qw.scale) if fmt == "int8" else (qw.data, qw.scale, qw.minimum)
+        if fmt == "int8":  # the kernels' layout: rows in blocks of 4 (13 rows: the last block has one)
+            args = (cpu_kernels.interleave(qw.data.reshape(n, k // 32, 32)), qw.scale, n)
+        else:
+            args = (*(cpu_kernels.interleave(t) for t in (qw.data, qw.scale, qw.minimum)), n)
         for m in (1, 3, 32):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             got = kernel(x, *args, simd=simd)

@@ -104,7 +104,8 @@ def test_fast_kernels_match_the_reference(name, shape):
         assert rel <= tol, f"{name} on {fmt}: relative error {rel:.2g} > {tol}"
         back = layer.quantized_weight()  # the kernel's layout gives the stored form back, bit for bit
         assert torch.equal(back.data, qw.data)
-        assert (back.scale is qw.scale is None) or torch.equal(back.scale, qw.scale)
+        for got_t, want_t in ((back.scale, qw.scale), (back.minimum, qw.minimum)):
+            assert (got_t is want_t is None) or torch.equal(got_t, want_t)
 
 
 def test_fbgemm_rows_do_not_depend_on_the_rest_of_the_batch():

@@ -139,13 +139,14 @@ def main(argv: list[str] | None = None) -> dict:
 def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str) -> tuple[Engine, str]:
     """The engine as fast as it goes at batch 1, for the llama.cpp comparison: the GGUF's own mix
     (int4 layers, int8 head) with integer-product kernels (``cpp_q8``, llama.cpp's way) where they
-    build, else ``kernel``, and decode compiled for batch 1 (with inductor's C++ wrapper on a CPU) where
-    compiling is available."""
+    build, else ``kernel``, and decode compiled for batch 1 (on a CPU with inductor's C++ wrapper and
+    the weights frozen into the graph) where compiling is available."""
     if kernel_unavailable("cpp_q8", "int4", (32, 32), model.device) is None:
         kernel = "cpp_q8"
     small = quantize(model, "int4", kernel, head="int8")
-    compile = (CompileConfig(batch_sizes=(1,), cpp_wrapper=True) if compile_unavailable(model.device) is None
-               else None)
+    compile = None
+    if compile_unavailable(model.device) is None:
+        compile = CompileConfig(batch_sizes=(1,), cpp_wrapper=True, freeze=True)
     engine = Engine(small, tok, EngineConfig(scheduler=SchedulerConfig(1, 2048), record=True, compile=compile))
     kernels = ", ".join(sorted(set(small.quant_info.kernels.values())))
     return engine, f"int4 layers, int8 head ({kernels} kernels){', compiled' if compile else ''}"
