@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch.profiler import record_function
 
+from . import cpu_kernels
 from .batch import Batch, SequenceWork
 from .block_pool import BlockPool, PoolStats
 from .compiled import CompileConfig, CompiledDecoder, CompileReport, compile_unavailable
@@ -47,6 +48,9 @@ class EngineConfig:
     record: bool = False                # keep a StepRecord per step (for timelines and block maps)
     speculative: SpeculativeConfig | None = None  # guess tokens and verify them in one step (chapter 12); off: None
     compile: CompileConfig | None = None  # decode steps through torch.compile, per batch-size bucket; off: None (eager)
+    # CPU, float32: eager steps of one token per sequence attend with the C++ kernel a compiled step uses
+    # (cpu_kernels.decode_attention: keys read where they lie) instead of gathering them for SDPA
+    cpu_decode_kernel: bool = False
 
     @classmethod
     def from_args(cls, **args) -> "EngineConfig":
@@ -111,7 +115,10 @@ class Engine:
                              f"{config.block_size} tokens ({block_bytes} bytes): give it more memory")
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
-        self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype)
+        if config.cpu_decode_kernel:
+            self._check_decode_kernel()
+        self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype,
+                                  decode_kernel=config.cpu_decode_kernel)
         self.scheduler = Scheduler(config.scheduler, self.kv, tokenizer.eos_token_id)
         self.proposer: Proposer | None = None if config.speculative is None else make_proposer(config.speculative, model)
         self.spec_stats = SpecStats()  # proposed / accepted guesses (all zero without speculation)
@@ -123,6 +130,14 @@ class Engine:
         self._num_finished = self._num_preemptions = self._num_generated = 0
         self._next_id = 0
         self._pending: list[RequestOutput] = []  # aborted outputs, returned by the next step
+
+    def _check_decode_kernel(self) -> None:
+        if self.model.device.type != "cpu" or self.model.dtype != torch.float32:
+            raise ValueError(f"cpu_decode_kernel runs float32 on a CPU, not {str(self.model.dtype).removeprefix('torch.')} "
+                             f"on {self.model.device.type}: leave it off there")
+        reason = cpu_kernels.unavailable()
+        if reason:
+            raise ValueError(f"cpu_decode_kernel needs enginelib's C++ kernels: {reason}")
 
     def _kv_memory(self) -> int:
         if self.config.kv_cache_memory is not None:

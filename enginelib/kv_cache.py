@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_kernels
 from .batch import Batch, to_device
 from .model import ModelConfig, attention, attention_mask
 
@@ -150,8 +151,13 @@ class PagedKVCache:
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 decode_kernel: bool = False) -> None:
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # CPU, float32: steps of one query per sequence attend in cpu_kernels.decode_attention, which reads the
+        # keys where they lie (no gather, no mask); the engine checks that the kernel builds before asking
+        self.decode_kernel = decode_kernel
+        self._fused = False
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -170,7 +176,12 @@ class PagedKVCache:
 
     def bind(self, batch: Batch) -> "PagedKVCache":
         self.batch = batch
-        self._groups = _attention_groups(batch, self.block_size, self.num_groups, self.k.dtype)
+        self._fused = self.decode_kernel and batch.num_tokens == batch.num_seqs
+        if self._fused:  # the tables checked once for the step's layers (the kernel trusts them)
+            cpu_kernels.check_tables(batch.block_tables, batch.context_lens, self.num_blocks, self.block_size)
+            self._groups = []
+        else:
+            self._groups = _attention_groups(batch, self.block_size, self.num_groups, self.k.dtype)
         return self
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -181,6 +192,11 @@ class PagedKVCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this step's K/V into their slots, then attend through the blocks."""
+        if self._fused:  # the kernel writes the new K/V too
+            b = self.batch
+            return torch.ops.enginelib.decode_attention(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(),
+                                                        self.k[layer], self.v[layer], b.block_tables,
+                                                        b.context_lens)[None]
         self.write(layer, k, v)
         if len(self._groups) == 1 and self._groups[0].whole:
             return paged_attention(q[0], self.k[layer], self.v[layer], self._groups[0])[None]

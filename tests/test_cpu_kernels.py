@@ -194,3 +194,31 @@ def test_decode_attention_writes_the_new_keys_and_reads_through_the_block_tables
         cpu_kernels.decode_attention(q, k, v, k_pool, v_pool, tables, torch.tensor([14, -1, 1]))
     with pytest.raises(RuntimeError, match="block 12 is outside the pool of 12"):
         cpu_kernels.decode_attention(q, k, v, k_pool, v_pool, tables.masked_fill(tables == 11, 12), lens)
+
+
+def test_the_eager_engine_can_attend_with_the_decode_kernel(real_f32, tiny, agree):
+    """EngineConfig(cpu_decode_kernel=True): decode steps attend in the C++ kernel, prefills as before; the
+    tokens are the default engine's (up to a near tie), no block is leaked, and elsewhere it is refused."""
+    from enginelib.engine import Engine, EngineConfig
+    from enginelib.params import SamplingParams
+
+    from .conftest import chat_ids
+
+    model, tok = real_f32
+    if model.device.type != "cpu":
+        pytest.skip("the decode kernel is a CPU kernel")
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    prompts = [chat_ids(tok, p) for p in ("Name a fruit.", "What is 2 + 2?", "Say hello in French.")]
+
+    def run(config: EngineConfig) -> list[list[int]]:
+        engine = Engine(model, tok, config)
+        ids = [engine.add_request(p, greedy) for p in prompts]
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.stats().pool.used == 0
+        return [engine.request(i).output_token_ids for i in ids]
+
+    fused = EngineConfig(num_blocks=64, cpu_decode_kernel=True)
+    agree(model, prompts, run(fused), run(EngineConfig(num_blocks=64)))
+    with pytest.raises(ValueError, match="cpu_decode_kernel runs float32 on a CPU, not bfloat16"):
+        Engine(tiny.to(torch.bfloat16), tok, fused)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import cpu_kernels
 from ..baselines import generate_cached, generate_naive
 from ..device import PackedLinear, pick_device, set_threads
 from ..compiled import CompileConfig, compile_unavailable
@@ -224,13 +225,18 @@ def _measure(args: argparse.Namespace, systems: tuple[str, ...], served: str | N
     report["ratios"]["single_stream_vs_hf"] = report.pop("_single_stream_vs_hf")
     report["ratios"] |= {"single_stream_vs_llama_cpp": None, "decode_b32_vs_llama_cpp": None}
     if peer is not None:
+        # on a CPU in float32, decode steps attend in our C++ kernel (keys read where they lie, no gather for SDPA)
+        decode_kernel = model.device.type == "cpu" and model.dtype == torch.float32 and cpu_kernels.unavailable() is None
+
         def engine_step(batch: int, new_tokens: int) -> float:
-            return decode_step_time(model, tok, batch, new_tokens)[0]
+            return decode_step_time(model, tok, batch, new_tokens, decode_kernel)[0]
 
         fast, fast_format = fastest_single_stream(model, tok, args.quant_kernel)
         report[llama.NAME] = llama.llama_cpp_effect(
             peer, model, tok, args.quick, engine_step, fast_format=fast_format,
             fast_step=lambda batch, new_tokens: engine_decode_step_time(fast, tok, batch, new_tokens)[0])
+        if decode_kernel:
+            report[llama.NAME]["engine_format"] += ", C++ decode attention"
         if "engine" in first:
             report[llama.NAME] |= llama.agreement(first["engine"], first[llama.NAME])
         report["ratios"]["single_stream_vs_llama_cpp"] = report[llama.NAME]["single_stream_ratio"]

@@ -51,9 +51,12 @@ def decode_flops_per_token(model: Transformer, context: int) -> float:
     return 2 * weights + 2 * attention
 
 
-def decode_step_time(model: Transformer, tok: Tokenizer, batch: int, new_tokens: int) -> tuple[float, int]:
-    """Median time of pure decode steps with ``batch`` running requests, and their mean context."""
-    engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(batch, max(2048, batch * 64)), record=True))
+def decode_step_time(model: Transformer, tok: Tokenizer, batch: int, new_tokens: int,
+                     decode_kernel: bool = False) -> tuple[float, int]:
+    """Median time of pure decode steps with ``batch`` running requests, and their mean context
+    (``decode_kernel``: EngineConfig's ``cpu_decode_kernel``)."""
+    engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(batch, max(2048, batch * 64)), record=True,
+                                             cpu_decode_kernel=decode_kernel))
     return engine_decode_step_time(engine, tok, batch, new_tokens)
 
 
