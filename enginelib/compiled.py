@@ -56,7 +56,7 @@ class CompileConfig:
     # every step): faster steps, and with cpp_wrapper faster compiling too, but with the Python wrapper a bucket
     # of the 135M model compiles in ~65 s instead of ~25 s on a 2-core CPU
     freeze: bool = False
-    # CPU: the code that calls each kernel of the step (~400 calls at batch 1) in C++, not Python: a few
+    # CPU: the code that calls each kernel of the step (~300 calls at batch 1) in C++, not Python: a few
     # ms less a step at batch 1 on a 2-core CPU, for a minute or more of extra compiling per bucket
     cpp_wrapper: bool = False
     fallback: bool = True         # when compiling is unavailable: run eagerly and say why (False: raise)
