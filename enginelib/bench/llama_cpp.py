@@ -317,7 +317,9 @@ def agreement(ours: SystemResult, theirs: SystemResult) -> dict:
 
 def llama_cpp_effect(peer: LlamaCpp, model: Transformer, tok: Tokenizer, quick: bool,
                      engine_step: Callable[[int, int], float], rounds: int = 2,
-                     fast_step: Callable[[int, int], float] | None = None, fast_format: str | None = None) -> dict:
+                     fast_step: Callable[[int, int], float] | None = None, fast_format: str | None = None,
+                     fast_b32_step: Callable[[int, int], float] | None = None,
+                     fast_b32_format: str | None = None) -> dict:
     """Single-stream and batch-32 decode, the engine's against llama.cpp's, alternated in the same process.
 
     ``engine_step(batch, new_tokens)`` is the engine's median decode step
@@ -326,7 +328,8 @@ def llama_cpp_effect(peer: LlamaCpp, model: Transformer, tok: Tokenizer, quick: 
     8 quick, 32 full). The two alternate ``rounds`` times and each keeps its
     best round, so a burst of load from elsewhere hurts neither side alone.
     ``fast_step``: the engine at its fastest single stream (``fast_format``,
-    e.g. quantized and compiled), measured at batch 1 in the same rounds.
+    e.g. quantized and compiled), measured at batch 1 in the same rounds;
+    ``fast_b32_step`` (``fast_b32_format``) likewise at batch 32.
     """
     new1, new32 = (16, 8) if quick else (64, 32)
     figures: dict[str, list[float]] = collections.defaultdict(list)
@@ -337,6 +340,8 @@ def llama_cpp_effect(peer: LlamaCpp, model: Transformer, tok: Tokenizer, quick: 
         figures["llama_cpp_b1"].append(1 / decode_step_time(peer, tok, 1, new1))
         if peer.max_num_seqs >= 32:
             figures["engine_b32"].append(32 / engine_step(32, new32))
+            if fast_b32_step is not None:
+                figures["fast_b32"].append(32 / fast_b32_step(32, new32))
             figures["llama_cpp_b32"].append(32 / decode_step_time(peer, tok, 32, new32))
     best = {k: max(v) for k, v in figures.items()}
     b32 = "engine_b32" in best
@@ -350,5 +355,7 @@ def llama_cpp_effect(peer: LlamaCpp, model: Transformer, tok: Tokenizer, quick: 
             "version": peer.version, "gguf": peer.path.name, "format": gguf_format(peer.path),
             "engine_format": engine_format(model),
             "fast_single_stream_tok_per_s": best.get("fast_b1"), "fast_format": fast_format,
-            "fast_single_stream_ratio": best["fast_b1"] / best["llama_cpp_b1"] if "fast_b1" in best else None}
+            "fast_single_stream_ratio": best["fast_b1"] / best["llama_cpp_b1"] if "fast_b1" in best else None,
+            "fast_decode_b32_tok_per_s": best.get("fast_b32"), "fast_b32_format": fast_b32_format,
+            "fast_decode_b32_ratio": best["fast_b32"] / best["llama_cpp_b32"] if "fast_b32" in best else None}
 

@@ -53,6 +53,9 @@ def _print_summary(report: dict) -> None:
         if p.get("fast_single_stream_ratio") is not None:
             print(f"  the engine at its fastest single stream ({p['fast_format']}): "
                   f"{p['fast_single_stream_tok_per_s']:.1f} tok/s ({p['fast_single_stream_ratio']:.2f}x llama.cpp)")
+        if p.get("fast_decode_b32_ratio") is not None:
+            print(f"  the engine at its fastest with 32 sequences ({p['fast_b32_format']}): "
+                  f"{p['fast_decode_b32_tok_per_s']:.1f} tok/s ({p['fast_decode_b32_ratio']:.2f}x llama.cpp)")
     if "prefix_cache" in report:
         p, c = report["prefix_cache"], report["chunked_prefill"]
         print(f"prefix cache (shared-prefix): TTFT p50 {_fmt(p['ttft_p50_on_s'], 1e3, 0)} ms with, "
