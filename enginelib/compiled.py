@@ -9,6 +9,8 @@ kernels replace launches. A traced graph has fixed shapes, so decode batches
 are padded up to a few sizes (*buckets*) and each size is compiled once, up
 front, as vLLM captures its graph sizes. Everything else (prefills, chunks,
 verification of guesses, batches bigger than the last bucket) runs eagerly.
+On a CPU, once dynamo has traced a bucket, the engine calls the compiled graph
+itself: the bucket fixes the shapes that dynamo's guards would check on every call.
 
 Attention is the one part the compiler must not see inside: which blocks a
 sequence reads changes every step. On a CPU in float32 it is our C++ decode
