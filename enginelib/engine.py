@@ -120,7 +120,8 @@ class Engine:
         self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype,
                                   decode_kernel=config.cpu_decode_kernel)
         self.scheduler = Scheduler(config.scheduler, self.kv, tokenizer.eos_token_id)
-        self.proposer: Proposer | None = None if config.speculative is None else make_proposer(config.speculative, model)
+        self.proposer: Proposer | None = None if config.speculative is None else make_proposer(
+            config.speculative, model, config.scheduler.max_num_seqs)
         self.spec_stats = SpecStats()  # proposed / accepted guesses (all zero without speculation)
         self.compiled, self.compile_report = self._compile(config.compile)
         self.history: list[StepRecord] = []

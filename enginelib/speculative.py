@@ -11,9 +11,10 @@ and the output is the target's (greedy: token for token; sampled: in
 distribution, by the rejection rule of Leviathan et al. 2023 and Chen et al. 2023).
 
 Proposers here are per request (``propose(token_ids, k)``): the n-gram one is a
-cheap Python search, and the draft model's recompute is simplest correct. A
-batched proposer (one draft forward for the whole batch, with its own cache)
-is the next step for throughput, not for correctness.
+cheap Python search; the draft model keeps a KV cache per sequence and rolls it
+back with the target. A batched draft (one draft forward for the whole batch,
+over a paged cache of its own, as vLLM does) is the next step for throughput at
+large batch, not for correctness.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ from typing import Protocol
 
 import torch
 
-from .baselines import generate_cached
-from .model import Transformer
+from .kv_cache import ContiguousKVCache
 from .params import SamplingParams
+from .model import Transformer
 from .sampling import filter_logits
 
 METHODS = ("ngram", "draft")
@@ -85,33 +86,125 @@ class NgramProposer:
         return []
 
 
+@dataclass
+class _DraftSequence:
+    """One sequence the draft has seen: the tokens its cache holds, in order (``cache.length`` of them)."""
+
+    tokens: list[int]
+    cache: ContiguousKVCache
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (list comparisons in C, halving the range)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class DraftModelProposer:
     """A smaller model with the target's vocabulary proposes its own greedy continuation.
 
-    Simplest correct: every proposal recomputes the whole sequence into a fresh
-    contiguous cache (Part I's ``generate_cached``), so no draft state has to be
-    rolled back when the target rejects. A greedy draft is a deterministic
-    proposer: its q is one-hot, which the rejection rule handles exactly.
+    The draft keeps a KV cache of its own for each sequence it drafts for, so a
+    proposal feeds only the tokens that are new since the last one (the
+    target's correction and the accepted guesses) and then ``k - 1`` single
+    tokens. Sequences are found by their tokens, not by request id: the cache
+    whose tokens share the longest prefix with ``token_ids`` is reused, and
+    rolling back rejected guesses is setting its length to that common prefix
+    (their K/V are overwritten next time), as the target's rollback frees slots.
+    A cache that would lose more than ``k`` tokens belongs to another sequence
+    (two chats with the same system prompt): the new sequence gets a cache of its
+    own, starting from a copy of the shared prefix. At most ``max_sequences``
+    caches are kept, the least recently used dropped first. A greedy draft is a
+    deterministic proposer: its q is one-hot, which the rejection rule handles exactly.
     """
 
-    def __init__(self, draft: Transformer, target_vocab_size: int) -> None:
+    def __init__(self, draft: Transformer, target_vocab_size: int, max_sequences: int = 8) -> None:
         if draft.cfg.vocab_size != target_vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
                              f"target's ({target_vocab_size}): its token ids would mean other tokens; use a draft "
                              "with the target's tokenizer (e.g. the target itself, quantized)")
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be at least 1 (draft caches kept), got {max_sequences}")
         self.model = draft
+        self.max_sequences = max_sequences
+        self.sequences: list[_DraftSequence] = []  # least recently used first
+        self.fed_tokens = 0  # tokens run through the draft, prefills included: what its caches save shows here
 
+    @torch.inference_mode()
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        k = min(k, self.model.cfg.context_length - len(token_ids))
-        if k < 1:
+        ids = list(token_ids)
+        k = min(k, self.model.cfg.context_length - len(ids))
+        if k < 1 or not ids:
             return []
-        return generate_cached(self.model, list(token_ids), SamplingParams(temperature=0, max_tokens=k)).token_ids
+        seq = self._sequence_for(ids, k)
+        cache = seq.cache = _with_room(seq.cache, len(ids) + k - 1, self.model)
+        x = torch.tensor([ids[cache.length:]], device=self.model.device)
+        self.fed_tokens += x.shape[1] + k - 1
+        guesses = []
+        for i in range(k):  # greedy, on the device: one transfer to the host at the end
+            token = self.model(x, cache, last_only=True)[:, -1].argmax(dim=-1)
+            guesses.append(token)
+            x = token[None]
+        drafts = torch.cat(guesses).tolist()
+        seq.tokens = ids + drafts[:-1]  # the last guess was never fed
+        return drafts
+
+    def _sequence_for(self, ids: list[int], k: int) -> _DraftSequence:
+        """The cache to extend for ``ids``, rolled back to what it shares with them (never all of ``ids``:
+        the last token is fed again, its logits start the guesses)."""
+        best, common = None, 0
+        for seq in self.sequences:
+            c = common_prefix(seq.tokens, ids)
+            if c > common:
+                best, common = seq, c
+        common = min(common, len(ids) - 1)
+        if best is not None and len(best.tokens) - common <= k:  # its own rejected guesses: roll back
+            self.sequences.remove(best)
+            seq = best
+        else:  # new, or another sequence's: copy the shared prefix
+            cache = _new_cache(self.model, len(ids) + k)
+            if best is not None and common:
+                cache.k[:, :, :common] = best.cache.k[:, :, :common]
+                cache.v[:, :, :common] = best.cache.v[:, :, :common]
+            seq = _DraftSequence([], cache)
+            if len(self.sequences) >= self.max_sequences:
+                self.sequences.pop(0)
+        seq.cache.length = common
+        self.sequences.append(seq)
+        return seq
 
 
-def make_proposer(config: SpeculativeConfig, target: Transformer) -> Proposer:
+def _new_cache(model: Transformer, tokens: int) -> ContiguousKVCache:
+    """A draft cache with room for ``tokens``: the next power of two (at least 64, at most the context), so
+    that a growing sequence is copied into a bigger one rarely."""
+    slots = min(max(64, 1 << (tokens - 1).bit_length()), model.cfg.context_length)
+    return ContiguousKVCache(model.cfg, 1, slots, device=model.device, dtype=model.dtype)
+
+
+def _with_room(cache: ContiguousKVCache, tokens: int, model: Transformer) -> ContiguousKVCache:
+    """``cache``, or a bigger copy of it when ``tokens`` would not fit."""
+    if tokens <= cache.max_len:
+        return cache
+    bigger = _new_cache(model, tokens)
+    bigger.k[:, :, :cache.length] = cache.k[:, :, :cache.length]
+    bigger.v[:, :, :cache.length] = cache.v[:, :, :cache.length]
+    bigger.length = cache.length
+    return bigger
+
+
+def make_proposer(config: SpeculativeConfig, target: Transformer, max_sequences: int = 8) -> Proposer:
+    """The config's proposer; a draft model keeps caches for up to ``max_sequences`` sequences (the batch)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
-    return DraftModelProposer(config.draft_model, target.cfg.vocab_size)
+    return DraftModelProposer(config.draft_model, target.cfg.vocab_size, max_sequences)
 
 
 @dataclass
@@ -182,4 +275,4 @@ def rejection_sample(logits: torch.Tensor, drafts: Sequence[int], params: Sampli
 
 
 __all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "DraftModelProposer", "SpecStats",
-           "make_proposer", "accept_greedy", "rejection_sample"]
+           "common_prefix", "make_proposer", "accept_greedy", "rejection_sample"]

@@ -22,7 +22,8 @@ SCHEMA = [
     "serve.throughput_ratio", "serve.server_tok_per_s", "serve.offline_tok_per_s", "serve.concurrency",
     "serve.ttft_p50", "serve.ttft_p99", "serve.tpot_p50", "serve.tpot_p99",
     "spec_decode.speedup_b1", "spec_decode.acceptance", "spec_decode.mean_accepted_length", "spec_decode.k",
-    "spec_decode.tok_per_s", "spec_decode.tok_per_s_plain", "spec_decode.texts_equal", "spec_decode.speedup_b8",
+    "spec_decode.tok_per_s", "spec_decode.tok_per_s_plain", "spec_decode.texts_equal", "spec_decode.draft",
+    "spec_decode.ngram.speedup_b1", "spec_decode.ngram.acceptance", "spec_decode.ngram.speedup_b8",
     "spec_decode.extractive.speedup_b1", "spec_decode.extractive.acceptance",
     *(f"quant.{fmt}.{key}" for fmt in ("int8", "int4") for key in
       ("tok_per_s_ratio", "ppl_delta", "ppl", "bytes_per_param", "weight_bytes", "kernels")),
@@ -59,13 +60,17 @@ def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
     assert serve["throughput_ratio"] == pytest.approx(serve["server_tok_per_s"] / serve["offline_tok_per_s"])
     assert 0 < serve["ttft_p50"] <= serve["ttft_p99"] and 0 < serve["tpot_p50"] <= serve["tpot_p99"]
     assert serve["texts_equal"] > 0.5, "greedy: the server says what the offline engine says (near-ties aside)"
-    spec = report["spec_decode"]  # n-gram speculation vs plain, greedy: the very same texts, at any batch size
-    assert spec["k"] == 4 and spec["texts_equal"] == spec["texts_equal_b8"] == spec["extractive"]["texts_equal"] == 1.0
-    for figures in (spec, spec["extractive"]):
+    spec = report["spec_decode"]  # speculation vs plain, greedy: the very same texts, at any batch size
+    ngram = spec["ngram"]
+    assert spec["k"] == 4 and spec["method"] == "draft" and "int4 layers" in spec["draft"]
+    assert spec["texts_equal"] == ngram["texts_equal"] == ngram["texts_equal_b8"] == 1.0
+    assert spec["extractive"]["texts_equal"] == 1.0
+    for figures in (spec, ngram, spec["extractive"]):
         assert figures["speedup_b1"] > 0 and math.isfinite(figures["speedup_b1"])
         assert 0 <= figures["acceptance"] <= 1 and 0 <= figures["mean_accepted_length"] <= spec["k"]
         assert figures["speedup_b1"] == pytest.approx(figures["tok_per_s"] / figures["tok_per_s_plain"])
-    assert spec["speedup_b8"] > 0 and math.isfinite(spec["speedup_b8"])
+    assert ngram["speedup_b8"] > 0 and math.isfinite(ngram["speedup_b8"])
+    assert spec["acceptance"] > 0.5, "the int4 draft is the target rounded: it should mostly agree"
     assert spec["extractive"]["acceptance"] > 0, "copying a passage: prompt lookup must find some guesses"
     quant = report["quant"]
     for fmt, bits in (("int8", 8), ("int4", 4)):

@@ -29,7 +29,7 @@ from enginelib.request import Request
 from enginelib.sampling import filter_logits
 from enginelib.scheduler import ScheduledWork, Scheduler, SchedulerConfig, SchedulerOutput
 from enginelib.speculative import (DraftModelProposer, NgramProposer, SpeculativeConfig, accept_greedy,
-                                   rejection_sample)
+                                   common_prefix, rejection_sample)
 
 from .conftest import chat_ids, tiny_tokenizer
 
@@ -135,6 +135,52 @@ def test_the_rejection_rule_emits_the_targets_distribution_for_any_proposal_dist
     for t in range(len(p)):
         pt = float(p[t])
         assert abs(got[t] / n - pt) <= 4.5 * math.sqrt(pt * (1 - pt) / n), (t, got, p)
+
+
+def test_common_prefix_counts_the_shared_leading_tokens():
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert common_prefix([5], [6]) == 0 and common_prefix([], [1]) == 0
+    rng = random.Random(0)
+    for _ in range(200):
+        a = [rng.randrange(3) for _ in range(rng.randrange(40))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(10))]
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == want
+
+
+def test_the_draft_proposers_caches_propose_what_a_fresh_recompute_would(tiny):
+    """Rollback, a copied shared prefix, growth past the first cache and eviction: the guesses are
+    always the draft's own greedy continuation, and a sequence's cache only feeds what is new."""
+    proposer = DraftModelProposer(tiny, tiny.cfg.vocab_size, max_sequences=2)
+
+    def propose(ids: list[int], k: int = 4) -> list[int]:
+        got = proposer.propose(ids, k)
+        assert got == generate_cached(tiny, ids, SamplingParams(temperature=0, max_tokens=k)).token_ids
+        return got
+
+    rng = random.Random(1)
+    a = [rng.randrange(200) for _ in range(20)]
+    guesses = propose(a)
+    assert proposer.fed_tokens == 20 + 3
+    a += guesses[:2] + [7]  # two guesses kept, then the target's correction
+    before = proposer.fed_tokens
+    guesses = propose(a)
+    assert proposer.fed_tokens - before == 1 + 3  # the kept guesses are cached: the correction, then k - 1
+    b = a[:15] + [9, 9]  # another sequence, sharing 15 tokens: a cache of its own from a copy
+    propose(b)
+    assert len(proposer.sequences) == 2
+    before = proposer.fed_tokens
+    a += guesses  # every guess kept, and the bonus token (its last guess) was the target's
+    propose(a)
+    assert proposer.fed_tokens - before == 1 + 3, "a's cache survived b's proposal"
+    for _ in range(12):  # past 64 tokens: the cache grows into a bigger copy
+        a += propose(a)
+    assert proposer.sequences[-1].cache.max_len == 128 and len(a) > 64
+    c = [rng.randrange(200) for _ in range(6)]
+    propose(c)  # a third sequence: b's cache, used least recently, goes
+    assert len(proposer.sequences) == 2 and all(s.tokens[:17] != b for s in proposer.sequences)
+    assert propose(b) and proposer.propose(list(range(tiny.cfg.context_length)), 4) == []  # no room: no guess
 
 
 def test_bad_speculative_configs_say_what_to_change(tiny):
@@ -252,16 +298,21 @@ def test_stops_inside_an_accepted_run_end_the_output_where_plain_decoding_does(r
     assert cut_inside > 0, "some stop should fall inside a verified run, before its last token"
 
 
-def test_the_target_as_its_own_draft_model_is_accepted_and_exact(real, agree):
+def test_the_target_as_its_own_draft_model_is_accepted_and_exact_in_a_batch(real, agree):
+    """Three chats with the same system prompt at once: each keeps a draft cache of its own."""
     model, tok = real
-    prompt = chat_ids(tok, PLAIN)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                   {"role": "user", "content": q}])) for q in (PLAIN, DAYS, REPEAT)]
     params = SamplingParams(temperature=0, max_tokens=12)
-    expected = generate_cached(model, prompt, params, tok.eos_token_id).token_ids
+    expected = [generate_cached(model, p, params, tok.eos_token_id).token_ids for p in prompts]
     engine = Engine(model, tok, EngineConfig(num_blocks=64, speculative=SpeculativeConfig(
         method="draft", num_speculative_tokens=3, draft_model=model)))
-    (rid,) = _run(engine, [(0, prompt, params)])
-    print(agree(model, [prompt], [engine.request(rid).output_token_ids], [expected]))
+    ids = _run(engine, [(0, p, params) for p in prompts])
+    print(agree(model, prompts, [engine.request(i).output_token_ids for i in ids], expected))
     assert engine.spec_stats.acceptance_rate > 0.8, engine.spec_stats  # the same model: only near-ties differ
+    assert len(engine.proposer.sequences) == 3
+    verifications = engine.spec_stats.verifications
+    assert engine.proposer.fed_tokens < sum(map(len, prompts)) + verifications * (3 + 3), "no prefill per proposal"
 
 
 def test_without_a_speculative_config_nothing_speculates(real):

@@ -12,8 +12,8 @@ peak, memory bandwidth) so the engine can be placed against its limits.
 with the same workload, as one more system. The ``serve`` section starts our
 own server on the same engine config and compares its throughput under
 concurrent streams with the offline engine's: the cost of HTTP and SSE.
-The ``spec_decode`` section runs the engine with and without n-gram
-speculation (chapter 12), the ``quant`` section the int8 and int4 models
+The ``spec_decode`` section runs the engine with and without speculation (an int4 draft, n-gram lookup;
+chapter 12), the ``quant`` section the int8 and int4 models
 against the float one (chapter 11): speed ratios and perplexity.
 
 The package, in the order a run uses it:
@@ -34,7 +34,7 @@ from .endpoint import ENDPOINT, run_endpoint, served_model_name
 from .hf import load_hf, run_hf_static
 from .memory import concurrency, kv_waste
 from .profile import OP_KINDS, PHASES, profile_steps
-from .quantization import quant_effect
+from .quantization import int4_model, quant_effect
 from .results import SystemResult
 from .roofline import decode_flops_per_token, decode_step_time, matmul_peak, read_bandwidth
 from .scheduling import chunked_prefill_effect, latency_curve, prefix_cache_effect
@@ -46,7 +46,7 @@ from .workloads import QUESTIONS, WORKLOADS, BenchRequest, Workload, _chat, extr
 __all__ = [
     "ENDPOINT", "OP_KINDS", "PHASES", "QUESTIONS", "SYSTEMS", "WORKLOADS", "BenchRequest", "EngineConfig", "SpecRun",
     "SystemResult", "Workload", "chunked_prefill_effect", "concurrency", "decode_flops_per_token", "decode_seconds",
-    "decode_step_time", "extractive_prompts", "kv_waste", "latency_curve", "load_hf", "main", "make_workload",
+    "decode_step_time", "extractive_prompts", "int4_model", "kv_waste", "latency_curve", "load_hf", "main", "make_workload",
     "matmul_peak", "prefix_cache_effect", "profile_steps", "quant_effect", "read_bandwidth", "run_endpoint",
     "run_engine", "run_hf_static", "run_one_at_a_time", "run_spec", "run_static", "serve_args", "serve_effect",
     "served_model_name", "spec_decode_effect",

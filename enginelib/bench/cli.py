@@ -20,7 +20,7 @@ from ..device import PackedLinear, pick_device, set_threads
 from ..compiled import CompileConfig, compile_unavailable
 from ..engine import Engine, EngineConfig
 from ..model import Transformer
-from ..quant import kernel_unavailable, quantize
+from ..quant import kernel_unavailable
 from ..scheduler import SchedulerConfig
 from ..tokenizer import Tokenizer
 from ..weights import DEFAULT_MODEL, load_model
@@ -29,7 +29,7 @@ from .compilation import compile_effect
 from .endpoint import ENDPOINT, run_endpoint, served_model_name
 from .hf import load_hf, run_hf_static
 from .memory import concurrency, kv_waste
-from .quantization import quant_effect
+from .quantization import int4_model, quant_effect
 from .report import _print_summary, _print_table, _ratios
 from .results import SystemResult, _check_same_tokens, _same_texts
 from .roofline import _roofline, decode_step_time, engine_decode_step_time
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-serve", action="store_true",
                     help="skip the serve section (our server vs the offline engine, same workload)")
     ap.add_argument("--no-spec-decode", action="store_true",
-                    help="skip the spec_decode section (n-gram speculation vs plain decoding)")
+                    help="skip the spec_decode section (speculation by an int4 draft and by n-gram lookup vs plain decoding)")
     ap.add_argument("--spec-k", type=int, default=4, help="guesses per step in the spec_decode section")
     ap.add_argument("--no-quant", action="store_true", help="skip the quant section (int8 and int4 vs float)")
     ap.add_argument("--quant-kernel", default=None,
@@ -142,15 +142,12 @@ def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str) -> tu
     (int4 layers, int8 head) with integer-product kernels (``cpp_q8``, llama.cpp's way) where they
     build, else ``kernel``, and decode compiled for batch 1 (on a CPU with inductor's C++ wrapper and
     the weights frozen into the graph) where compiling is available."""
-    if kernel_unavailable("cpp_q8", "int4", (32, 32), model.device) is None:
-        kernel = "cpp_q8"
-    small = quantize(model, "int4", kernel, head="int8")
+    small, small_format = int4_model(model, kernel)
     compile = None
     if compile_unavailable(model.device) is None:
         compile = CompileConfig(batch_sizes=(1,), cpp_wrapper=True, freeze=True)
     engine = Engine(small, tok, EngineConfig(scheduler=SchedulerConfig(1, 2048), record=True, compile=compile))
-    kernels = ", ".join(sorted(set(small.quant_info.kernels.values())))
-    return engine, f"int4 layers, int8 head ({kernels} kernels){', compiled' if compile else ''}"
+    return engine, small_format + (", compiled" if compile else "")
 
 
 def fastest_batch32(model: Transformer, tok: Tokenizer) -> tuple[Engine, str]:
@@ -259,7 +256,8 @@ def _measure(args: argparse.Namespace, systems: tuple[str, ...], served: str | N
         report["ratios"]["decode_b32_fastest_vs_llama_cpp"] = report[llama.NAME]["fast_decode_b32_ratio"]
     if not args.no_spec_decode:
         start = time.perf_counter()
-        report["spec_decode"] = spec_decode_effect(model, tok, args.quick, args.spec_k)
+        draft, draft_format = int4_model(model, args.quant_kernel)
+        report["spec_decode"] = spec_decode_effect(model, tok, args.quick, args.spec_k, draft, draft_format)
         report["spec_decode"]["seconds"] = time.perf_counter() - start
     if not args.no_quant:
         start = time.perf_counter()

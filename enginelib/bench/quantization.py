@@ -42,3 +42,14 @@ def quant_effect(model: Transformer, tok: Tokenizer, quick: bool, kernel: str = 
                                    for (_, shape), name in sorted(q.quant_info.kernels.items())}}
         del q
     return report
+
+
+def int4_model(model: Transformer, kernel: str) -> tuple[Transformer, str]:
+    """The GGUF's own mix (int4 layers, int8 head), with integer-product kernels (``cpp_q8``, llama.cpp's
+    way) where they build, else ``kernel``; and its description."""
+    from ..quant import kernel_unavailable, quantize
+
+    if kernel_unavailable("cpp_q8", "int4", (32, 32), model.device) is None:
+        kernel = "cpp_q8"
+    small = quantize(model, "int4", kernel, head="int8")
+    return small, f"int4 layers, int8 head ({', '.join(sorted(set(small.quant_info.kernels.values())))} kernels)"

@@ -72,11 +72,11 @@ def _print_summary(report: dict) -> None:
               f"{_fmt(s['texts_equal'], 100, 0)}% of texts equal the offline engine's")
     if "spec_decode" in report:
         d = report["spec_decode"]
-        e = d["extractive"]
-        print(f"spec decode (ngram, k={d['k']}): {d['speedup_b1']:.2f}x at batch 1 on chats (acceptance "
-              f"{d['acceptance']:.0%}, {d['mean_accepted_length']:.2f} kept per check), {d['speedup_b8']:.2f}x at "
-              f"batch 8, {e['speedup_b1']:.2f}x copying a passage (acceptance {e['acceptance']:.0%}); "
-              f"{d['texts_equal']:.0%} of texts equal plain greedy's")
+        g, e = d["ngram"], d["extractive"]
+        print(f"spec decode (k={d['k']}), batch 1 on chats: draft ({d['draft']}) {d['speedup_b1']:.2f}x (acceptance "
+              f"{d['acceptance']:.0%}, {d['mean_accepted_length']:.2f} kept per check), n-gram {g['speedup_b1']:.2f}x "
+              f"(acceptance {g['acceptance']:.0%}); n-gram {g['speedup_b8']:.2f}x at batch 8, {e['speedup_b1']:.2f}x "
+              f"copying a passage (acceptance {e['acceptance']:.0%}); {d['texts_equal']:.0%} of texts equal plain greedy's")
     if "quant" in report:
         q = report["quant"]
         for fmt in ("int8", "int4"):

@@ -1,4 +1,4 @@
-"""The ``spec_decode`` section: the engine with and without n-gram speculation (chapter 12)."""
+"""The ``spec_decode`` section: the engine with and without speculation, by a draft model and by n-gram lookup (chapter 12)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,6 +63,11 @@ def _spec_compare(model: Transformer, tok: Tokenizer, prompts: list[list[int]], 
             run_spec(model, tok, prompts, max_tokens, batch, spec))
 
 
+def _pooled(a: SpecRun, b: SpecRun) -> SpecRun:
+    """Two runs of the same prompts as one: their tokens over their seconds (equal tokens: the harmonic mean)."""
+    return SpecRun(a.texts, 2 / (1 / a.decode_tok_per_s + 1 / b.decode_tok_per_s), a.stats)
+
+
 def _spec_figures(plain: SpecRun, spec: SpecRun) -> dict:
     return {"speedup": spec.decode_tok_per_s / plain.decode_tok_per_s, "tok_per_s": spec.decode_tok_per_s,
             "tok_per_s_plain": plain.decode_tok_per_s, "acceptance": spec.stats.acceptance_rate,
@@ -71,28 +76,39 @@ def _spec_figures(plain: SpecRun, spec: SpecRun) -> dict:
             "texts_equal": sum(a == b for a, b in zip(plain.texts, spec.texts)) / len(plain.texts)}
 
 
-def spec_decode_effect(model: Transformer, tok: Tokenizer, quick: bool, k: int) -> dict:
-    """Decode speed with n-gram speculation ÷ without, greedy, same prompts and max_tokens.
+def spec_decode_effect(model: Transformer, tok: Tokenizer, quick: bool, k: int, draft: Transformer,
+                       draft_format: str) -> dict:
+    """Decode speed with speculation ÷ without, greedy, same prompts and max_tokens.
 
-    Batch 1 (one request at a time) on the seed workload's chats, the honest
-    case; the same on extractive prompts (copy a passage), the favourable one;
-    and at batch 8, where a plain step is no longer bound by reading the
-    weights, so the extra verified rows cost more and the gain shrinks.
+    The headline: batch 1 (one request at a time) on the seed workload's chats,
+    with ``draft`` (our model quantized, chapter 11) proposing. Then n-gram
+    lookup on the same chats, the same at batch 8, where a plain step is no
+    longer bound by reading the weights, so the extra verified rows cost more and
+    the gain shrinks, and on extractive prompts (copy a passage), the case prompt
+    lookup is made for.
     """
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    drafted = SpeculativeConfig(method="draft", num_speculative_tokens=k, draft_model=draft)
     n, new, new8, n_ext = (2, 24, 12, 1) if quick else (8, 128, 64, 4)
     chats = [_chat(tok, q) for q in QUESTIONS[:max(n, 8)]]
     copy = extractive_prompts(tok, n_ext)
-    for cfg in (None, spec):  # one-off costs out of the measurement: a short run of each, guesses included
+    for cfg in (None, ngram, drafted):  # one-off costs out of the measurement: a short run of each, guesses included
         run_spec(model, tok, copy[:1], 6, 1, cfg)
-    plain, fast = _spec_compare(model, tok, chats[:n], new, 1, spec)
-    b1 = _spec_figures(plain, fast)
-    plain8, fast8 = _spec_compare(model, tok, chats[:8], new8, 8, spec)
+    before = run_spec(model, tok, chats[:n], new, 1, None)
+    with_draft = run_spec(model, tok, chats[:n], new, 1, drafted)
+    with_ngram = run_spec(model, tok, chats[:n], new, 1, ngram)
+    plain = _pooled(before, run_spec(model, tok, chats[:n], new, 1, None))  # before and after: a slow spell counts on both sides
+    b1, lookup = _spec_figures(plain, with_draft), _spec_figures(plain, with_ngram)
+    plain8, fast8 = _spec_compare(model, tok, chats[:8], new8, 8, ngram)
     b8 = _spec_figures(plain8, fast8)
-    ext_plain, ext_fast = _spec_compare(model, tok, copy, new, 1, spec)
+    ext_plain, ext_fast = _spec_compare(model, tok, copy, new, 1, ngram)
     extractive = _spec_figures(ext_plain, ext_fast)
-    return {"speedup_b1": b1.pop("speedup"), **b1, "k": k, "method": "ngram", "prompts": n, "max_tokens": new,
-            "speedup_b8": b8["speedup"], "texts_equal_b8": b8["texts_equal"], "acceptance_b8": b8["acceptance"],
-            "extractive": {"speedup_b1": extractive.pop("speedup"), **extractive, "prompts": n_ext},
-            "note": "seed-workload chats, greedy, stop at EOS; n-gram lookup finds little to copy in a chat "
-                    "answer, so its gain there is small: 'extractive' (copy a passage) is the case it is made for"}
+    return {"speedup_b1": b1.pop("speedup"), **b1, "k": k, "method": "draft", "draft": draft_format,
+            "prompts": n, "max_tokens": new,
+            "ngram": {"speedup_b1": lookup.pop("speedup"), **lookup, "speedup_b8": b8["speedup"],
+                      "texts_equal_b8": b8["texts_equal"], "acceptance_b8": b8["acceptance"]},
+            "extractive": {"speedup_b1": extractive.pop("speedup"), **extractive, "method": "ngram",
+                           "prompts": n_ext},
+            "note": "seed-workload chats, greedy, stop at EOS; the draft is the target quantized, with a KV cache "
+                    "of its own; n-gram lookup finds little to copy in a chat answer, so its gain there is small: "
+                    "'extractive' (copy a passage) is the case it is made for"}
