@@ -21,6 +21,8 @@ The ``q8`` twins (``int8q8_linear``, ``int4q8_linear``) round the activations to
 and multiply integers, as llama.cpp does, and take their weights *interleaved* (:func:`interleave`):
 output rows in blocks of 4, each block's rows side by side group by group, so a tile reads one sequential
 stream of bytes (on a 2-core AVX2 machine the LM head's GEMV went from ~11 to ~20 GB/s).
+``int8q8_linear`` also takes one float16 scale per group of 32 instead of one per row: GGUF's Q8_0
+block, so a file's Q8_0 tensor runs as it was stored (quant.py's ``q8_0`` format).
 
 Each call works on tiles of ``MR`` activation rows by ``NR`` output rows, so a
 weight loaded (and converted) once serves up to 4 rows of a decode batch, and
@@ -148,19 +150,22 @@ constexpr int64_t ROWS = 4;
 
 inline int64_t at_row(int64_t n, int64_t g, int64_t G) { return ((n / ROWS) * G + g) * ROWS + n % ROWS; }
 
-void int8q8_plain(const int8_t* qx, const float* dx, const int8_t* q, const float* scale, float* y,
-                  int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {
+// scale: one float32 per row; or, where group_scale is given, one float16 per group of 32 (q8_0, GGUF's
+// Q8_0), laid out as the codes
+void int8q8_plain(const int8_t* qx, const float* dx, const int8_t* q, const float* scale,
+                  const uint16_t* group_scale, float* y, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {
   const int64_t G = K / GROUP;
   for (int64_t n = b0 * ROWS; n < std::min(N, b1 * ROWS); ++n)
     for (int64_t m = 0; m < M; ++m) {
       float acc = 0.f;
       for (int64_t g = 0; g < G; ++g) {
-        const int8_t* w = q + at_row(n, g, G) * GROUP;
+        const int64_t at = at_row(n, g, G);
+        const int8_t* w = q + at * GROUP;
         int32_t dot = 0;
         for (int64_t j = 0; j < GROUP; ++j) dot += int32_t(qx[m * K + g * GROUP + j]) * w[j];
-        acc += float(dot) * dx[m * G + g];
+        acc += float(dot) * (group_scale ? half_to_float(group_scale[at]) * dx[m * G + g] : dx[m * G + g]);
       }
-      y[m * N + n] = acc * scale[n];
+      y[m * N + n] = group_scale ? acc : acc * scale[n];
     }
 }
 
@@ -329,30 +334,37 @@ inline __m128 halves4(const uint16_t* p) {  // a block's 4 float16 (one group of
 #endif
 }
 
-template <int MR>
-void int8q8_tile(const int8_t* qx, const float* dx, const int8_t* q, const float* scale, float* y,
-                 int64_t N, int64_t K, int64_t m0, int64_t b) {
+// GROUPED (q8_0): per group, the block's 4 float16 scales times the activation's, as llama.cpp's Q8_0 x Q8_0
+template <int MR, bool GROUPED>
+void int8q8_tile(const int8_t* qx, const float* dx, const int8_t* q, const float* scale, const uint16_t* group_scale,
+                 float* y, int64_t N, int64_t K, int64_t m0, int64_t b) {
   const int64_t G = K / GROUP;
   const int8_t* wb = q + b * G * ROWS * GROUP;  // the block's weights, in the order they are read
   __m256 acc[MR][ROWS];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < ROWS; ++j) acc[i][j] = _mm256_setzero_ps();
+  alignas(16) float d[MR][ROWS];  // GROUPED: this group's scale x activation scale, per activation and output row
   for (int64_t g = 0; g < G; ++g) {
     __m256i x[MR];
-    __m256 d[MR];
+    __m256 dxi[MR];
     for (int i = 0; i < MR; ++i) {
       x[i] = load32(qx + (m0 + i) * K + g * GROUP);
-      d[i] = _mm256_broadcast_ss(dx + (m0 + i) * G + g);
+      if (GROUPED)
+        _mm_store_ps(d[i], _mm_mul_ps(halves4(group_scale + (b * G + g) * ROWS), _mm_set1_ps(dx[(m0 + i) * G + g])));
+      else
+        dxi[i] = _mm256_broadcast_ss(dx + (m0 + i) * G + g);
     }
     for (int j = 0; j < ROWS; ++j) {
       const __m256i w = load32(wb + (g * ROWS + j) * GROUP);
       const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned; its sign moves onto x
       for (int i = 0; i < MR; ++i)
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(aw, _mm256_sign_epi8(x[i], w))), d[i], acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(aw, _mm256_sign_epi8(x[i], w))),
+                                    GROUPED ? _mm256_broadcast_ss(&d[i][j]) : dxi[i], acc[i][j]);
     }
   }
   for (int j = 0; j < ROWS && b * ROWS + j < N; ++j)
-    for (int i = 0; i < MR; ++i) y[(m0 + i) * N + b * ROWS + j] = hsum(acc[i][j]) * scale[b * ROWS + j];
+    for (int i = 0; i < MR; ++i)
+      y[(m0 + i) * N + b * ROWS + j] = GROUPED ? hsum(acc[i][j]) : hsum(acc[i][j]) * scale[b * ROWS + j];
 }
 
 // int4: per group, the block's 4 scales and 4 minimums in one float16 conversion each; the minimums' share
@@ -391,10 +403,10 @@ void int4q8_tile(const int8_t* qx, const float* dx, const float* xsum, const uin
     for (int i = 0; i < MR; ++i) y[(m0 + i) * N + b * ROWS + j] = hsum(acc[i][j]) + mo[i][j];
 }
 
-struct Int8Q8Tile {
-  template <int MR> static void run(const int8_t* qx, const float* dx, const int8_t* q, const float* s, float* y,
-                                    int64_t N, int64_t K, int64_t m, int64_t b) {
-    int8q8_tile<MR>(qx, dx, q, s, y, N, K, m, b);
+template <bool GROUPED> struct Int8Q8Tile {
+  template <int MR> static void run(const int8_t* qx, const float* dx, const int8_t* q, const float* s,
+                                    const uint16_t* gs, float* y, int64_t N, int64_t K, int64_t m, int64_t b) {
+    int8q8_tile<MR, GROUPED>(qx, dx, q, s, gs, y, N, K, m, b);
   }
 };
 struct Int4Q8Tile {
@@ -528,11 +540,14 @@ void check_rows(const at::Tensor& w, int64_t rows, int64_t bytes) {
 // Output blocks per task: at least ~64K weights, as grain() above
 int64_t block_grain(int64_t K) { return std::max<int64_t>(1, grain(K) / ROWS); }
 
+// scale: float32 [N] (one per row), or float16 [N/4, K/32, 4] (one per group of 32, interleaved: q8_0)
 at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t N, bool simd) {
   TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
   check_rows(q, N, GROUP);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
-              "scale must be contiguous float32 [", N, "]");
+  const bool per_group = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(per_group ? scale.dim() == 3 && scale.sizes() == q.sizes().slice(0, 3) && scale.is_contiguous()
+                        : scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
+              "scale must be contiguous float32 [", N, "] or float16 ", q.sizes().slice(0, 3));
   const int64_t M = x.size(0), K = q.size(1) * GROUP;
   check_x(x, K);
   const RoundedX r(x);
@@ -540,13 +555,15 @@ at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
   const int8_t* qx = r.qx.data_ptr<int8_t>();
   const float* dx = r.dx.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const float* sp = per_group ? nullptr : scale.data_ptr<float>();
+  const uint16_t* gp = per_group ? reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()) : nullptr;
   at::parallel_for(0, q.size(0), block_grain(K), [&](int64_t b0, int64_t b1) {
 #ifdef __AVX2__
-    if (simd) { q8_tiles<Int8Q8Tile>(M, b0, b1, qx, dx, qp, sp, yp, N, K); return; }
+    if (simd && per_group) { q8_tiles<Int8Q8Tile<true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K); return; }
+    if (simd) { q8_tiles<Int8Q8Tile<false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K); return; }
 #endif
-    int8q8_plain(qx, dx, qp, sp, yp, M, N, K, b0, b1);
+    int8q8_plain(qx, dx, qp, sp, gp, yp, M, N, K, b0, b1);
   });
   return y;
 }
@@ -1020,10 +1037,14 @@ def _interleaved_ok(w: torch.Tensor, rows: int, dtype: torch.dtype, size: int) -
 
 def int8q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: int, simd: bool = True) -> torch.Tensor:
     """:func:`int8_linear` with ``x`` rounded to int8 per group of 32 and integer products; ``q`` is the
-    int8 weight [rows, K] interleaved (``interleave(q.reshape(rows, K // 32, 32))``), ``scale`` [rows]."""
-    ok = _interleaved_ok(q, rows, torch.int8, 32) and scale.dtype == torch.float32 and scale.numel() == rows
-    x = _ready(x, q.shape[1] * 32 if q.dim() == 4 else -1, ok, f"int8 [{-(-rows // ROWS)}, K/32, {ROWS}, 32] "
-               f"(cpu_kernels.interleave) with float32 scales [{rows}]")
+    int8 weight [rows, K] interleaved (``interleave(q.reshape(rows, K // 32, 32))``), ``scale`` float32
+    [rows], or float16 [rows, K/32] interleaved (one scale per group of 32: GGUF's Q8_0)."""
+    per_row = scale.dtype == torch.float32 and scale.numel() == rows
+    per_group = scale.dtype == torch.float16 and q.dim() == 4 and scale.shape == q.shape[:3]
+    blocks = -(-rows // ROWS)
+    x = _ready(x, q.shape[1] * 32 if q.dim() == 4 else -1, _interleaved_ok(q, rows, torch.int8, 32) and
+               (per_row or per_group), f"int8 [{blocks}, K/32, {ROWS}, 32] (cpu_kernels.interleave) with float32 "
+               f"scales [{rows}] or float16 scales [{blocks}, K/32, {ROWS}]")
     return torch.ops.enginelib.int8q8_linear(x, q, scale, rows, simd)
 
 

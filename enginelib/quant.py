@@ -17,8 +17,11 @@ them in fewer bytes is the main lever. Each format here has two parts:
 
 Formats: ``int8`` (per-output-channel symmetric scale, float32), ``int4``
 (groups of 32 along the input, a float16 scale and minimum per group, two codes
-per byte: the layout of GGUF's Q4_1 block, so a Q4_1 file can load straight in),
-``float16`` and ``bfloat16`` (the weight stored in half precision). All are
+per byte: the layout of GGUF's Q4_1 block), ``q8_0`` (int8 with a float16
+scale per group of 32: GGUF's Q8_0 block), ``float16`` and ``bfloat16`` (the
+weight stored in half precision). :func:`load_quantized` reads a GGUF file's
+Q4_1 and Q8_0 tensors straight into int4 and q8_0 layers, bytes cut apart,
+never a float copy of a layer. All are
 *weight* formats: activations keep the model's dtype. Every linear layer is
 converted, the LM head included; a tied embedding stays a float lookup table
 (a lookup reads one row per token, the head's matmul reads all of them).
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -52,9 +56,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
+from .device import pick_device
 from .model import Transformer
+from .tokenizer import Tokenizer
+from .weights import DEFAULT_MODEL, StoredTensor, read_gguf, resolve
 
-FORMATS = ("int8", "int4", "float16", "bfloat16")
+FORMATS = ("int8", "int4", "q8_0", "float16", "bfloat16")
 GROUP_SIZE = 32  # int4: weights per (scale, minimum) pair, as GGUF's Q4_1
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -69,6 +76,7 @@ class QuantizedWeight:
     int4: data uint8 [N, K/32, 16], scale and minimum float16 [N, K/32]; in each
     group byte j holds code j (low nibble) and code j+16 (high nibble), and
     w = code * scale + minimum (codes 0..15).
+    q8_0: data int8 [N, K], scale float16 [N, K/32] (w = q * scale of its group of 32).
     float16 / bfloat16: data is the weight itself.
     """
 
@@ -99,6 +107,10 @@ class QuantizedWeight:
             codes = unpack_int4(self.data).to(dtype)  # [N, G, 32]
             w = codes * self.scale.to(dtype)[..., None] + self.minimum.to(dtype)[..., None]
             return w.reshape(self.shape)
+        if self.fmt == "q8_0":
+            n, k = self.shape
+            return (self.data.to(dtype).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+                    * self.scale.to(dtype)[..., None]).reshape(n, k)
         return self.data.to(dtype)
 
 
@@ -116,12 +128,18 @@ def quantize_weight(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale is exact
         data = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         return QuantizedWeight("int8", data, scale)
-    if fmt == "int4":
+    if fmt in ("int4", "q8_0"):
         n, k = w.shape
         if k % GROUP_SIZE:
-            raise ValueError(f"int4 needs the input size to be a multiple of {GROUP_SIZE}, got {k}: "
+            raise ValueError(f"{fmt} needs the input size to be a multiple of {GROUP_SIZE}, got {k}: "
                              f"use int8 for this layer")
         groups = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    if fmt == "q8_0":  # symmetric per group: its largest |w| maps to 127, the scale stored in float16
+        scale = (groups.abs().amax(dim=-1) / 127).half()
+        s = scale.float()[..., None]
+        codes = torch.where(s > 0, torch.round(groups / torch.where(s > 0, s, 1)), 0)
+        return QuantizedWeight("q8_0", codes.clamp_(-127, 127).to(torch.int8).reshape(n, k), scale)
+    if fmt == "int4":
         lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
         scale, minimum = ((hi - lo) / 15).half(), lo.half()  # stored in float16, so round with those values
         s = scale.float()[..., None]
@@ -160,6 +178,20 @@ def from_gguf_q4_1(raw: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight
     halves = blocks[..., :4].contiguous().view(torch.float16)  # [N, G, 2]: scale, minimum
     return QuantizedWeight("int4", blocks[..., 4:].contiguous(), halves[..., 0].contiguous(),
                            halves[..., 1].contiguous())
+
+
+Q8_0_BLOCK_BYTES = 34  # GGUF's Q8_0 block: float16 scale, 32 int8 codes
+
+
+def from_gguf_q8_0(raw: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
+    """A GGUF Q8_0 tensor's bytes (uint8, [N, K/32 * 34]) as a q8_0 :class:`QuantizedWeight`, with no float detour."""
+    n, k = shape
+    if k % GROUP_SIZE or raw.dtype != torch.uint8 or raw.numel() != n * k // GROUP_SIZE * Q8_0_BLOCK_BYTES:
+        raise ValueError(f"a Q8_0 tensor of shape {shape} is {n * k // GROUP_SIZE * Q8_0_BLOCK_BYTES} bytes of uint8 "
+                         f"with K a multiple of {GROUP_SIZE}; got {raw.numel()} {raw.dtype}")
+    blocks = raw.reshape(n, k // GROUP_SIZE, Q8_0_BLOCK_BYTES)
+    scale = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+    return QuantizedWeight("q8_0", blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k), scale.contiguous())
 
 
 # ---------------------------------------------------------------- kernels
@@ -314,22 +346,24 @@ class _Interleaved:
 
 def _interleave(qw: QuantizedWeight) -> _Interleaved:
     n, k = qw.shape
-    if qw.fmt == "int8":
-        return _Interleaved("int8", n, cpu_kernels.interleave(qw.data.reshape(n, k // GROUP_SIZE, GROUP_SIZE)),
-                            qw.scale.contiguous(), None)
+    if qw.fmt in ("int8", "q8_0"):  # a q8_0 scale per group is laid out as the groups' codes; int8's per row as is
+        scale = cpu_kernels.interleave(qw.scale) if qw.fmt == "q8_0" else qw.scale.contiguous()
+        return _Interleaved(qw.fmt, n, cpu_kernels.interleave(qw.data.reshape(n, k // GROUP_SIZE, GROUP_SIZE)),
+                            scale, None)
     return _Interleaved("int4", n, *(cpu_kernels.interleave(t) for t in (qw.data, qw.scale, qw.minimum)))
 
 
 def _deinterleave(w: _Interleaved) -> QuantizedWeight:
-    if w.fmt == "int8":
-        return QuantizedWeight("int8", cpu_kernels.deinterleave(w.data, w.rows).flatten(1).contiguous(), w.scale)
+    if w.fmt in ("int8", "q8_0"):
+        scale = cpu_kernels.deinterleave(w.scale, w.rows).contiguous() if w.fmt == "q8_0" else w.scale
+        return QuantizedWeight(w.fmt, cpu_kernels.deinterleave(w.data, w.rows).flatten(1).contiguous(), scale)
     return QuantizedWeight("int4", *(cpu_kernels.deinterleave(t, w.rows).contiguous()
                                      for t in (w.data, w.scale, w.minimum)))
 
 
 def _cpp_q8_run(x: torch.Tensor, w: _Interleaved) -> torch.Tensor:
     x32 = x.float().contiguous()
-    if w.fmt == "int8":
+    if w.fmt in ("int8", "q8_0"):
         return cpu_kernels.int8q8_linear(x32, w.data, w.scale, w.rows).to(x.dtype)
     return cpu_kernels.int4q8_linear(x32, w.data, w.scale, w.minimum, w.rows).to(x.dtype)
 
@@ -347,7 +381,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            doc="torch._weight_int4pack_mm_for_cpu: weight-only int4, groups of 32"),
     Kernel("cpp", ("int8", "int4"), ("cpu",), _same, _cpp_run, _same,
            doc="enginelib.cpu_kernels: our C++ loop, codes dequantized in AVX2 registers, float32 accumulation"),
-    Kernel("cpp_q8", ("int8", "int4"), ("cpu",), _interleave, _cpp_q8_run, _deinterleave, exact=False,
+    Kernel("cpp_q8", ("int8", "int4", "q8_0"), ("cpu",), _interleave, _cpp_q8_run, _deinterleave, exact=False,
            doc="our C++ loop with activations rounded to int8 per group of 32 and integer products (llama.cpp's way), "
                "weights interleaved in blocks of 4 rows"),
 )}
@@ -474,7 +508,7 @@ def layer_inputs(model: Transformer, token_ids: torch.Tensor) -> dict[str, torch
     seen: dict[str, torch.Tensor] = {}
     hooks = [module.register_forward_pre_hook(
                  lambda _, args, name=name: seen.setdefault(name, args[0].reshape(-1, args[0].shape[-1]).clone()))
-             for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+             for name, module in model.named_modules() if isinstance(module, (nn.Linear, QuantLinear))]
     try:
         model(token_ids.to(model.device))
     finally:
@@ -540,52 +574,145 @@ def quantize(model: Transformer, fmt: str, kernel: str = "auto", *, head: str | 
     head = head or fmt
     for f in (fmt, head):
         check_format(f)
-    if kernel != "auto" and kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}: use 'auto' or one of {', '.join(KERNELS)}")
+    _check_kernel(kernel)
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError("this model is already quantized: quantize the float model instead")
     device = model.device
     if "bfloat16" in (fmt, head) and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"{torch.cuda.get_device_name(device)} has no bfloat16 support: use float16")
-    info = QuantInfo(fmt, head, kernel)
-    layers = [(path, parent, name, linear, quantize_weight(linear.weight, head if path == "lm_head" else fmt))
-              for path, parent, name, linear in _linears(model)]
-    if kernel == "auto":
-        if calibration is None:
-            calibration = torch.randint(0, model.cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
-        inputs = layer_inputs(model, calibration.reshape(1, -1))
-        rows: dict[tuple[str, tuple[int, int]], list[KernelTiming]] = {}
-        for path, _, _, _, qw in layers:
-            key, x = (qw.fmt, qw.shape), inputs[path]
-            if key not in rows:
-                rows[key] = measure_kernels(qw, x)
-                continue
-            inexact = [row for row in rows[key] if not KERNELS[row.kernel].exact]
-            want = _reference(x, qw) if inexact else None
-            for row in inexact:  # its worst error over every layer of this shape counts
-                k = KERNELS[row.kernel]
-                row.rel_error = max(row.rel_error, relative_error(k.run(x, k.prepare(qw)), want))
-        for key, candidates in rows.items():
-            info.kernels[key] = choose(candidates, tolerance).kernel
-            info.timings += candidates
-            for name, k in KERNELS.items():
-                if key[0] in k.formats and device.type in k.devices and name not in info.skipped:
-                    reason = kernel_unavailable(name, *key, device)
-                    if reason:
-                        info.skipped[name] = reason
-    else:
-        for _, _, _, _, qw in layers:
-            reason = kernel_unavailable(kernel, qw.fmt, qw.shape, device)
-            if reason:
-                raise ValueError(f"{reason}: use kernel='auto' or 'reference'")
-            info.kernels[(qw.fmt, qw.shape)] = kernel
+    weights = {path: quantize_weight(linear.weight, head if path == "lm_head" else fmt)
+               for path, _, _, linear in _linears(model)}
+    inputs = _calibration_inputs(model, calibration) if kernel == "auto" else None
+    info = choose_kernels(QuantInfo(fmt, head, kernel), weights, inputs, device, tolerance)
     new = _clone_structure(model)
-    modules = dict(new.named_modules())
-    for path, _, name, linear, qw in layers:  # a tied head becomes its own layer; the embedding stays a float table
-        parent = modules[path.rpartition(".")[0]] if "." in path else new
-        setattr(parent, name, QuantLinear(qw, linear.bias, info.kernels[(qw.fmt, qw.shape)]))
+    for path, _, _, linear in _linears(model):  # a tied head becomes its own layer; the embedding stays a float table
+        _put(new, path, QuantLinear(weights[path], linear.bias, info.kernels[_key(weights[path])]))
     new.quant_info = info
     return new.eval().requires_grad_(False)
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel != "auto" and kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}: use 'auto' or one of {', '.join(KERNELS)}")
+
+
+def _key(qw: QuantizedWeight) -> tuple[str, tuple[int, int]]:
+    return qw.fmt, qw.shape
+
+
+def _put(model: nn.Module, path: str, layer: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent), name, layer)
+
+
+def _calibration_inputs(model: Transformer, calibration: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    if calibration is None:
+        calibration = torch.randint(0, model.cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    return layer_inputs(model, calibration.reshape(1, -1))
+
+
+def choose_kernels(info: QuantInfo, weights: dict[str, QuantizedWeight], inputs: dict[str, torch.Tensor] | None,
+                   device: torch.device, tolerance: float = 1e-2) -> QuantInfo:
+    """Fill ``info.kernels``: a kernel per (format, shape) of ``weights`` (layer path -> stored weight).
+
+    With ``info.kernel == "auto"`` each kernel is timed on the first layer of a shape and its error measured
+    on ``inputs`` (what each layer really receives; see :func:`quantize`); else ``info.kernel`` everywhere.
+    """
+    if info.kernel != "auto":
+        for qw in weights.values():
+            reason = kernel_unavailable(info.kernel, qw.fmt, qw.shape, device)
+            if reason:
+                raise ValueError(f"{reason}: use kernel='auto' or 'reference'")
+            info.kernels[_key(qw)] = info.kernel
+        return info
+    rows: dict[tuple[str, tuple[int, int]], list[KernelTiming]] = {}
+    for path, qw in weights.items():
+        key, x = _key(qw), inputs[path]
+        if key not in rows:
+            rows[key] = measure_kernels(qw, x)
+            continue
+        inexact = [row for row in rows[key] if not KERNELS[row.kernel].exact]
+        want = _reference(x, qw) if inexact else None
+        for row in inexact:  # its worst error over every layer of this shape counts
+            k = KERNELS[row.kernel]
+            row.rel_error = max(row.rel_error, relative_error(k.run(x, k.prepare(qw)), want))
+    for key, candidates in rows.items():
+        info.kernels[key] = choose(candidates, tolerance).kernel
+        info.timings += candidates
+        for name, k in KERNELS.items():
+            if key[0] in k.formats and device.type in k.devices and name not in info.skipped:
+                reason = kernel_unavailable(name, *key, device)
+                if reason:
+                    info.skipped[name] = reason
+    return info
+
+
+# ---------------------------------------------------------------- a GGUF file's quantized tensors, as stored
+
+GGUF_FORMATS = {"Q4_1": ("int4", from_gguf_q4_1), "Q8_0": ("q8_0", from_gguf_q8_0)}
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stored weights of one format stacked along the output rows, as the model fuses q/k/v and gate/up."""
+    if len({qw.fmt for qw in parts}) != 1:
+        raise ValueError(f"cannot stack {[qw.fmt for qw in parts]}: a fused layer has one format")
+    cat = [None if parts[0].__dict__[f] is None else torch.cat([qw.__dict__[f] for qw in parts])
+           for f in ("data", "scale", "minimum")]
+    return QuantizedWeight(parts[0].fmt, *cat)
+
+
+def _install(net: Transformer, weights: dict[str, QuantizedWeight], kernel: Callable[[QuantizedWeight], str]) -> None:
+    for layer, qw in weights.items():
+        _put(net, layer, QuantLinear(qw, net.get_submodule(layer).bias, kernel(qw)))
+
+
+def load_quantized(model: str | os.PathLike = DEFAULT_MODEL, kernel: str = "auto", *,
+                   device: str | torch.device | None = None, progress: bool = True,
+                   tolerance: float = 1e-2) -> tuple[Transformer, Tokenizer]:
+    """A GGUF file's model with its linear layers in the formats the file stores them in, and its tokenizer.
+
+    Each Q4_1 matrix becomes an int4 layer and each Q8_0 one a q8_0 layer by
+    cutting the file's blocks apart (:func:`from_gguf_q4_1`, :func:`from_gguf_q8_0`):
+    no float copy of a layer is ever made, and the layers hold exactly the
+    weights the file holds (``load_model`` dequantizes those same numbers to
+    float32). The shipped file is Q4_1 with a Q8_0 tied embedding: int4 layers and
+    a q8_0 LM head, the mix llama.cpp runs. The embedding lookup stays a float
+    table, dequantized from the same bytes, as in :func:`quantize`; so do norms
+    and biases. ``kernel`` as in :func:`quantize`: ``auto`` calibrates on the model
+    itself, run with the reference kernel. A file whose layers are of other types
+    (F16, Q4_K, ...) is refused: load it with ``load_model`` and :func:`quantize` it.
+    """
+    _check_kernel(kernel)
+    path = resolve(model)
+    if path.is_dir() or path.suffix != ".gguf":
+        raise ValueError(f"{path} is not a .gguf file: load_quantized keeps a GGUF's quantized tensors as stored; "
+                         "for another checkpoint use load_model() and quantize()")
+    dev = pick_device(device)
+    cfg, tensors, tokenizer = read_gguf(path, progress, device=dev, stored=tuple(GGUF_FORMATS))
+    stored: dict[str, QuantizedWeight] = {}
+    for name, t in list(tensors.items()):
+        if isinstance(t, StoredTensor):
+            stored[name] = GGUF_FORMATS[t.kind][1](t.data, t.shape)
+            tensors[name] = torch.empty(t.shape, device="meta")  # the float model's layout, no memory
+        elif t.dim() == 2 and name != "model.embed_tokens.weight":
+            raise ValueError(f"{name} is not Q4_1 or Q8_0 in {path.name}: only {' and '.join(GGUF_FORMATS)} "
+                             "tensors load straight into our formats; use load_model() and quantize() for this file")
+    net = Transformer.from_state_dict(cfg, tensors, consume=True)  # norms, biases, embedding: real; linears: meta
+    weights = {}
+    for layer, _, _, _ in _linears(net):
+        hf = "lm_head" if layer == "lm_head" else f"model.{layer}"
+        parts = {"qkv_proj": "qkv", "gate_up_proj": ("gate", "up")}.get(layer.rpartition(".")[2])
+        names = [f"{hf.rpartition('.')[0]}.{n}_proj.weight" for n in parts] if parts else [f"{hf}.weight"]
+        weights[layer] = concat_rows([stored.pop(n) for n in names])
+    info = QuantInfo("+".join(sorted({qw.fmt for layer, qw in weights.items() if layer != "lm_head"})),
+                     weights["lm_head"].fmt, kernel)
+    if stored:
+        raise ValueError(f"{path.name} holds tensors the model has no place for: {list(stored)[:5]}")
+    _install(net, weights, lambda qw: "reference")  # the model as stored, to calibrate the kernel choice on
+    choose_kernels(info, weights, _calibration_inputs(net, None) if kernel == "auto" else None, dev, tolerance)
+    _install(net, weights, lambda qw: info.kernels[_key(qw)])
+    net.quant_info = info
+    return net.eval().requires_grad_(False), tokenizer
 
 
 # ---------------------------------------------------------------- quality and size

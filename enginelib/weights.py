@@ -130,12 +130,27 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+@dataclass
+class StoredTensor:
+    """A GGUF weight as the file stores it: its type (``"Q4_1"``...), its bytes as uint8 [N, bytes per row]
+    (rows in the order the model uses) and the float shape [N, K] it stands for."""
+
+    kind: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+
 def read_gguf(path: Path, progress: bool = True, *, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+              device: torch.device | str = "cpu", stored: tuple[str, ...] = ()
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor | StoredTensor], Tokenizer]:
     """Config, dequantized tensors (Hugging Face names) and tokenizer from one GGUF file.
 
     Each tensor is dequantized to float32, then cast to ``dtype`` and moved to
     ``device`` before the next one is read, so only one float32 tensor is ever extra.
+    ``stored``: GGUF types (``"Q4_1"``, ``"Q8_0"``) whose matrices come back as
+    :class:`StoredTensor`, not dequantized (every row of a quantized matrix is whole
+    blocks, so reordering rows works on the bytes). A tied embedding of such a type
+    comes back both ways: as floats for the lookup, stored as ``lm_head.weight``.
     """
     import gguf
 
@@ -157,18 +172,31 @@ def read_gguf(path: Path, progress: bool = True, *, dtype: torch.dtype = torch.f
         rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
         context_length=meta[f"{arch}.context_length"],
         tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names)
-    weights = {}
+    weights: dict[str, torch.Tensor | StoredTensor] = {}
+
+    def in_model_order(array: np.ndarray, name: str) -> np.ndarray:
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+            return _unpermute(array, heads)
+        if arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+            return _unpermute(array, kv_heads)
+        return array
+
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", disable=not progress):
+        shape = tuple(reversed([int(n) for n in t.shape]))
+        if t.tensor_type.name in stored and len(shape) == 2:
+            raw = torch.from_numpy(np.array(in_model_order(t.data.reshape(shape[0], -1), t.name)))  # a copy: the file is mapped read-only
+            kept = StoredTensor(t.tensor_type.name, raw.to(device), shape)
+            if t.name != "token_embd.weight":
+                weights[_hf_name(t.name)] = kept
+                continue
+            if cfg.tie_word_embeddings:
+                weights["lm_head.weight"] = kept
         try:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as err:
             raise ValueError(f"{t.name} uses quantization type {t.tensor_type.name}, which the gguf "
                              "package cannot dequantize; use a file with another type (Q8_0, Q4_K, F16...)") from err
-        array = array.reshape(tuple(reversed([int(n) for n in t.shape])))
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            array = _unpermute(array, heads)
-        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            array = _unpermute(array, kv_heads)
+        array = in_model_order(array.reshape(shape), t.name)
         weights[_hf_name(t.name)] = torch.from_numpy(np.array(array, dtype=np.float32)).to(device=device, dtype=dtype)
     return cfg, weights, Tokenizer.from_gguf_metadata(meta)
 

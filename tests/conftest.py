@@ -113,3 +113,20 @@ def hf_weights(model: Transformer) -> dict[str, torch.Tensor]:
                     p + "input_layernorm.weight": layer.input_layernorm.weight,
                     p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
     return {name: t.detach().clone().contiguous() for name, t in weights.items()}
+
+
+def batched_equals_alone(model: Transformer, tokenizer, prompts: list[list[int]], params) -> list[list[int]]:
+    """Run ``prompts`` through one engine, batched together; assert each request's tokens equal the plain
+    single-request reference's (the oracle) and that every block came back; return the tokens."""
+    from enginelib.baselines import generate_cached
+    from enginelib.engine import Engine, EngineConfig
+
+    alone = [generate_cached(model, p, params, tokenizer.eos_token_id).token_ids for p in prompts]
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=64, block_size=16))
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    got = [engine.request(i).output_token_ids for i in ids]
+    assert got == alone  # batched together, the same tokens as each alone
+    assert engine.pool.num_used == 0
+    return got

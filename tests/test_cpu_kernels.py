@@ -64,15 +64,16 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
 # block with one real row. K = 160: five groups of 32; K = 576, the model's: eighteen
 @pytest.mark.parametrize("simd", [True, False], ids=["avx2", "plain"])
 @pytest.mark.parametrize("k", [160, 576])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0"])
 def test_q8_kernels_multiply_the_rounded_activations_exactly(fmt, k, simd):
     """cpp_q8 = (x rounded per group of 32) times the stored weight, up to float32 rounding: the only
     error is the activations' rounding, about 0.5%; and a row gets the same bits alone or in a batch."""
     for n in (13, 96):
         qw = quantize_weight(weight(n, k, seed=n), fmt)
-        kernel = cpu_kernels.int8q8_linear if fmt == "int8" else cpu_kernels.int4q8_linear
-        if fmt == "int8":  # the kernels' layout: rows in blocks of 4 (13 rows: the last block has one)
-            args = (cpu_kernels.interleave(qw.data.reshape(n, k // 32, 32)), qw.scale, n)
+        kernel = cpu_kernels.int4q8_linear if fmt == "int4" else cpu_kernels.int8q8_linear
+        if fmt != "int4":  # the kernels' layout: rows in blocks of 4 (13 rows: the last block has one)
+            scale = cpu_kernels.interleave(qw.scale) if fmt == "q8_0" else qw.scale  # q8_0: a scale per group
+            args = (cpu_kernels.interleave(qw.data.reshape(n, k // 32, 32)), scale, n)
         else:
             args = (*(cpu_kernels.interleave(t) for t in (qw.data, qw.scale, qw.minimum)), n)
         for m in (1, 3, 32):
@@ -151,18 +152,13 @@ def test_engine_batch_equals_each_request_alone(real_f32):
     from enginelib.engine import Engine, EngineConfig
     from enginelib.params import SamplingParams
 
-    from .conftest import chat_ids
+    from .conftest import batched_equals_alone, chat_ids
 
     model, tok = real_f32
     q = quantize(model, "int4", "cpp", head="int8")
     greedy = SamplingParams(temperature=0, max_tokens=8)
     prompts = [chat_ids(tok, p) for p in ("Name a fruit.", "What is 2 + 2?", "Say hello in French.")]
-    alone = [generate_cached(q, p, greedy, tok.eos_token_id).token_ids for p in prompts]
-    engine = Engine(q, tok, EngineConfig(num_blocks=64, block_size=16))
-    ids = [engine.add_request(p, greedy) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert [engine.request(i).output_token_ids for i in ids] == alone
+    batched_equals_alone(q, tok, prompts, greedy)
 
 
 @pytest.mark.parametrize("simd", [True, False])

@@ -9,10 +9,12 @@ from enginelib.baselines import generate_cached
 from enginelib.engine import Engine, EngineConfig
 from enginelib.params import SamplingParams
 from enginelib.quant import (GROUP_SIZE, KERNELS, QuantLinear, decode_tokens_per_second, format_row, from_gguf_q4_1,
-                             greedy_agreement, kernel_unavailable, linear_bytes_per_param, pack_int4, perplexity,
-                             quantize, quantize_weight, unpack_int4, weight_bytes)
+                             from_gguf_q8_0, greedy_agreement, kernel_unavailable, linear_bytes_per_param,
+                             load_quantized, pack_int4, perplexity, quantize, quantize_weight, unpack_int4,
+                             weight_bytes)
+from enginelib.weights import load_model
 
-from .conftest import chat_ids, tiny_tokenizer
+from .conftest import batched_equals_alone, chat_ids, tiny_tokenizer
 
 CPU = torch.device("cpu")
 SHAPES = [(96, 64), (64, 160)]  # small stand-ins with the model's divisibilities (rows and columns by 32)
@@ -44,6 +46,63 @@ def test_gguf_q4_1_bytes_load_straight_into_int4():
     assert torch.equal(qw.dequantize(), torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_1)))
     with pytest.raises(ValueError, match="Q4_1 tensor of shape"):
         from_gguf_q4_1(torch.from_numpy(raw)[:, :-1], w.shape)
+
+
+def test_gguf_q8_0_bytes_load_straight_into_q8_0():
+    """gguf's Q8_0 quantizer and dequantizer are the oracle; q8_0 requantizes its own numbers losslessly."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = random_weight((64, 96), seed=6).numpy()
+    raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
+    qw = from_gguf_q8_0(torch.from_numpy(raw), w.shape)
+    assert qw.fmt == "q8_0" and qw.nbytes == raw.nbytes
+    assert torch.equal(qw.dequantize(), torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0)))
+    again = quantize_weight(qw.dequantize(), "q8_0")
+    assert torch.equal(again.data, qw.data) and torch.equal(again.scale, qw.scale)
+    with pytest.raises(ValueError, match="Q8_0 tensor of shape"):
+        from_gguf_q8_0(torch.from_numpy(raw)[:, :-1], w.shape)
+
+
+def test_a_gguf_files_blocks_load_as_stored_and_hold_its_weights_exactly(tmp_path):
+    """load_quantized cuts Q4_1 and Q8_0 blocks apart (q/k rows reordered on the bytes, q/k/v and gate/up
+    stacked): each layer stands for exactly the numbers load_model dequantizes from the same file."""
+    from gguf import GGMLQuantizationType as T
+
+    from .test_weights import tiny_model, write_gguf
+
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, tiny_model(), layers=T.Q4_1, embedding=T.Q8_0)  # the shipped file's mix
+    floats, _ = load_model(path, progress=False, pack=False)
+    stored, tokenizer = load_quantized(path, "reference", progress=False)
+    assert (stored.quant_info.fmt, stored.quant_info.head_fmt) == ("int4", "q8_0")
+    layers = {name: m for name, m in stored.named_modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == 4 * stored.cfg.num_layers + 1  # qkv, o, gate_up, down per layer, and the head
+    for name, layer in layers.items():
+        assert torch.equal(layer.quantized_weight().dequantize(), floats.get_submodule(name).weight), name
+    ids = torch.randint(0, stored.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(stored(ids), floats(ids), atol=1e-4, rtol=1e-4)
+    assert tokenizer.encode("hello") == load_model(path, progress=False)[1].encode("hello")
+    auto, _ = load_quantized(path, progress=False)  # kernels chosen by measurement, on the model as stored
+    assert set(auto.quant_info.kernels) == {("int4", (128, 64)), ("int4", (64, 64)), ("int4", (256, 64)),
+                                            ("int4", (64, 128)), ("q8_0", (stored.cfg.vocab_size, 64))}
+
+    write_gguf(tmp_path / "f16.gguf", tiny_model(), layers=T.F16)
+    with pytest.raises(ValueError, match=r"is not Q4_1 or Q8_0 .* use load_model\(\) and quantize\(\)"):
+        load_quantized(tmp_path / "f16.gguf", progress=False)
+    with pytest.raises(ValueError, match="is not a .gguf file"):
+        load_quantized(tmp_path, progress=False)
+
+
+def test_the_shipped_file_runs_as_stored_in_the_engine(real_f32):
+    """The real model straight from its Q4_1/Q8_0 blocks: the float model's weights, and the engine's greedy
+    text equals the single-request reference's on the same layers."""
+    model, tok = load_quantized(progress=False)
+    for name, layer in model.named_modules():
+        if isinstance(layer, QuantLinear):
+            assert torch.equal(layer.quantized_weight().dequantize(), real_f32[0].get_submodule(name).weight.cpu())
+    assert model.quant_info.kernels[("q8_0", (49152, 576))] in ("cpp_q8", "reference")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batched_equals_alone(model, tok, [chat_ids(tok, q) for q in ("What is a cat?", "Name three colors.")], greedy)
 
 
 def test_requantizing_the_shipped_q4_1_layers_is_lossless(real_f32):
@@ -193,15 +252,8 @@ def test_engine_on_int8_model_equals_its_single_request_greedy(real_f32, int8):
     _, tok = real_f32
     greedy = SamplingParams(temperature=0, max_tokens=6)
     prompts = [chat_ids(tok, q) for q in ("What is the capital of France?", "List three colors.")]
-    expected = [generate_cached(int8, p, greedy, tok.eos_token_id).token_ids for p in prompts]
-    engine = Engine(int8, tok, EngineConfig(num_blocks=64, block_size=16))
-    ids = [engine.add_request(p, greedy) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-    got = [engine.request(i).output_token_ids for i in ids]
-    assert got == expected  # batched together, the same tokens as each alone
+    got = batched_equals_alone(int8, tok, prompts, greedy)
     assert all(tok.decode(g, skip_special_tokens=True).strip() for g in got)
-    assert engine.pool.num_used == 0
 
 
 def test_greedy_agreement_counts_up_to_the_first_divergence(real_f32, int8):

@@ -48,7 +48,10 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "post_attention_layernorm": "ffn_norm"}
 
 
-def write_gguf(path, model: Transformer, arch: str = "llama") -> None:
+def write_gguf(path, model: Transformer, arch: str = "llama", layers: gguf.GGMLQuantizationType | None = None,
+               embedding: gguf.GGMLQuantizationType | None = None) -> None:
+    """The model as llama.cpp's converter writes it: float32, or its layers (matrices) and its embedding
+    stored as ``layers`` and ``embedding`` (e.g. Q4_1 and Q8_0, as the shipped file)."""
     cfg = model.cfg
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_layers)
@@ -81,7 +84,11 @@ def write_gguf(path, model: Transformer, arch: str = "llama") -> None:
                 array = llama_cpp_permute(array, cfg.num_heads)
             if module == "self_attn.k_proj":
                 array = llama_cpp_permute(array, cfg.num_kv_heads)
-        w.add_tensor(gname, np.ascontiguousarray(array))
+        kind = embedding if gname == "token_embd.weight" else layers if array.ndim == 2 else None
+        if kind is None:
+            w.add_tensor(gname, np.ascontiguousarray(array))
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
