@@ -12,7 +12,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch.profiler import record_function
@@ -92,6 +92,7 @@ class EngineStats:
     generated_tokens: int
     pool: PoolStats
     prefix_cache: PrefixCacheStats
+    spec_decode: SpecStats  # guesses proposed and accepted (all zero without speculation)
 
 
 @dataclass
@@ -206,7 +207,7 @@ class Engine:
         """Counters kept as things happen: nothing here walks past requests."""
         return EngineStats(self.steps, len(self.scheduler.running), len(self.scheduler.waiting),
                            self._num_finished, self._num_preemptions, self._num_generated,
-                           self.pool.stats(), self.kv.stats)
+                           self.pool.stats(), self.kv.stats, replace(self.spec_stats))
 
     def request(self, request_id: str) -> Request:
         """The scheduler's record of a request: an unfinished one, or one of the last KEEP_FINISHED to end."""

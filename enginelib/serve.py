@@ -25,7 +25,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -116,7 +116,11 @@ class _EngineCollector:
                                  ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                   s.prefix_cache.queried_tokens),
                                  ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  s.prefix_cache.hit_tokens)]:
+                                  s.prefix_cache.hit_tokens),
+                                 ("spec_decode_num_draft_tokens", "Speculative guesses verified.",
+                                  s.spec_decode.proposed),
+                                 ("spec_decode_num_accepted_tokens", "Speculative guesses the model agreed with.",
+                                  s.spec_decode.accepted)]:
             yield CounterMetricFamily(f"enginelib_{name}", doc, value=value)
 
 
@@ -416,29 +420,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_config(args: argparse.Namespace) -> "EngineConfig":
-    """The EngineConfig the flags describe; a bad speculative or compile setting is a ValueError naming the flag."""
+    """The EngineConfig the flags describe; a bad speculative or compile setting is a ValueError naming the flag.
+
+    ``--speculative-config`` takes SpeculativeConfig's fields, and for method "draft" a ``model`` key, as
+    vLLM's does: the draft, a GGUF file (or known name) loaded as stored by :func:`quant.load_quantized`;
+    by default the served model's own file, whose Q4_1 layers make it an int4 draft (chapter 12).
+    The draft loads here, after every flag has been checked and before the served model.
+    """
     from .compiled import CompileConfig
     from .engine import EngineConfig
     from .speculative import SpeculativeConfig
 
     speculative = compile_config = None
-    if args.speculative_config is not None:
-        spec = args.speculative_config
-        if not isinstance(spec, dict) or spec.get("method", "ngram") != "ngram":
-            raise ValueError(f"--speculative-config must be a JSON object with method 'ngram' (a draft model is "
-                             f"not served from the command line), got {spec!r}")
-        try:
-            speculative = SpeculativeConfig(**spec)
-        except TypeError as e:
-            raise ValueError(f"--speculative-config: {e}; its keys are method, num_speculative_tokens, "
-                             "prompt_lookup_max and prompt_lookup_min") from e
     if args.compile or args.compile_batch_sizes:
         compile_config = CompileConfig(**({"batch_sizes": args.compile_batch_sizes} if args.compile_batch_sizes else {}))
+    if args.speculative_config is not None:
+        spec = args.speculative_config
+        keys = sorted({f.name for f in fields(SpeculativeConfig)} - {"draft_model"} | {"model"})
+        if not isinstance(spec, dict) or set(spec) - set(keys):
+            raise ValueError(f"--speculative-config must be a JSON object with the keys {', '.join(keys)} (any of "
+                             f'them), e.g. \'{{"method": "draft", "num_speculative_tokens": 4}}\'; got {spec!r}')
+        spec = dict(spec)
+        draft = spec.pop("model", None)
+        if draft is not None and spec.get("method") != "draft":
+            raise ValueError("--speculative-config: 'model' names a draft model; it needs \"method\": \"draft\"")
+        SpeculativeConfig(**{**spec, "method": "ngram"})  # every other value checked before a draft loads
+        if spec.get("method") == "draft":
+            spec["draft_model"] = load_draft(draft or args.model, args.device)
+        speculative = SpeculativeConfig(**spec)
     return EngineConfig.from_args(block_size=args.block_size, num_blocks=args.num_blocks,
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_prefix_caching=args.enable_prefix_caching,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   speculative=speculative, compile=compile_config)
+
+
+def load_draft(model: str, device: str | None) -> "Transformer":
+    """A draft model for ``--speculative-config``: a GGUF's layers as stored (int4 from Q4_1, q8_0 from Q8_0)."""
+    from .quant import load_quantized
+
+    try:
+        return load_quantized(model, device=device, progress=False)[0]
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"--speculative-config's draft model {model!r}: {e}") from e
 
 
 def make_engine(args: argparse.Namespace) -> AsyncEngine:

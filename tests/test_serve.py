@@ -337,9 +337,38 @@ def test_speed_flags_become_the_engine_config():
     assert engine_config(parse_args(["--compile"])).compile.batch_sizes == (1, 2, 4, 8, 16, 32)
     plain = engine_config(parse_args([]))
     assert plain.speculative is None and plain.compile is None
-    for flags, message in ((["--speculative-config", '{"method": "draft"}'], "method 'ngram'"),
+    for flags, message in ((["--speculative-config", '{"method": "draft", "num_speculative_tokens": 0}'],
+                            "positive integer"),  # checked before the draft loads
                            (["--speculative-config", '{"num_speculative_tokens": 0}'], "positive integer"),
-                           (["--speculative-config", '{"k": 2}'], "its keys are"),
+                           (["--speculative-config", '{"k": 2}'], "with the keys"),
+                           (["--speculative-config", '{"model": "smollm2-135m"}'], "needs \"method\": \"draft\""),
+                           (["--speculative-config", '{"method": "draft", "model": "nowhere.gguf"}'],
+                            "draft model 'nowhere.gguf': no model at"),
                            (["--compile-batch-sizes", "4,2"], "increasing")):
         with pytest.raises(ValueError, match=message):
             engine_config(parse_args(flags))
+
+
+def test_a_draft_model_is_served_from_the_command_line():
+    """vLLM's way: '--speculative-config {"method": "draft", "model": ...}'; by default the served file, as stored
+    (its Q4_1 layers: an int4 draft)."""
+    from enginelib.quant import QuantLinear
+    from enginelib.serve import engine_config, parse_args
+
+    config = engine_config(parse_args(["--speculative-config", '{"method": "draft", "num_speculative_tokens": 3}']))
+    spec = config.speculative
+    assert spec.method == "draft" and spec.num_speculative_tokens == 3
+    assert isinstance(spec.draft_model.lm_head, QuantLinear) and spec.draft_model.quant_info.fmt == "int4"
+
+
+def test_a_served_draft_keeps_greedy_text_exact(offline):
+    """Through the server, speculation by the file's int4 layers gives the plain engine's greedy text."""
+    with ServerProcess(["--speculative-config", '{"method": "draft", "num_speculative_tokens": 3}'],
+                       timeout=240) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Name three colors."}]
+        got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+        accepted = metric(server, "enginelib_spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= metric(server, "enginelib_spec_decode_num_draft_tokens_total")
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert got.choices[0].message.content == want.text
