@@ -704,10 +704,10 @@ def load_quantized(model: str | os.PathLike = DEFAULT_MODEL, kernel: str = "auto
         parts = {"qkv_proj": "qkv", "gate_up_proj": ("gate", "up")}.get(layer.rpartition(".")[2])
         names = [f"{hf.rpartition('.')[0]}.{n}_proj.weight" for n in parts] if parts else [f"{hf}.weight"]
         weights[layer] = concat_rows([stored.pop(n) for n in names])
-    info = QuantInfo("+".join(sorted({qw.fmt for layer, qw in weights.items() if layer != "lm_head"})),
-                     weights["lm_head"].fmt, kernel)
     if stored:
         raise ValueError(f"{path.name} holds tensors the model has no place for: {list(stored)[:5]}")
+    info = QuantInfo("+".join(sorted({qw.fmt for layer, qw in weights.items() if layer != "lm_head"})),
+                     weights["lm_head"].fmt, kernel)
     _install(net, weights, lambda qw: "reference")  # the model as stored, to calibrate the kernel choice on
     choose_kernels(info, weights, _calibration_inputs(net, None) if kernel == "auto" else None, dev, tolerance)
     _install(net, weights, lambda qw: info.kernels[_key(qw)])

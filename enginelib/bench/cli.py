@@ -20,7 +20,7 @@ from ..device import PackedLinear, pick_device, set_threads
 from ..compiled import CompileConfig, compile_unavailable
 from ..engine import Engine, EngineConfig
 from ..model import Transformer
-from ..quant import kernel_unavailable
+from ..quant import kernel_unavailable, load_quantized
 from ..scheduler import SchedulerConfig
 from ..tokenizer import Tokenizer
 from ..weights import DEFAULT_MODEL, load_model
@@ -137,12 +137,21 @@ def main(argv: list[str] | None = None) -> dict:
             peer.close()
 
 
-def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str) -> tuple[Engine, str]:
-    """The engine as fast as it goes at batch 1, for the llama.cpp comparison: the GGUF's own mix
-    (int4 layers, int8 head) with integer-product kernels (``cpp_q8``, llama.cpp's way) where they
-    build, else ``kernel``, and decode compiled for batch 1 (on a CPU with inductor's C++ wrapper and
-    the weights frozen into the graph) where compiling is available."""
-    small, small_format = int4_model(model, kernel)
+def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str,
+                          source: str | Path = DEFAULT_MODEL) -> tuple[Engine, str]:
+    """The engine as fast as it goes at batch 1, for the llama.cpp comparison: the GGUF ``source`` as
+    stored (:func:`quant.load_quantized`: the shipped file's Q4_1 layers as int4, its Q8_0 head as q8_0,
+    the very bytes llama.cpp reads), or, for a checkpoint that is not such a file, the model quantized
+    to that mix (int4 layers, int8 head); with integer-product kernels (``cpp_q8``, llama.cpp's way)
+    where they build, else ``kernel``; and decode compiled for batch 1 (on a CPU with inductor's C++
+    wrapper and the weights frozen into the graph) where compiling is available."""
+    q8 = kernel_unavailable("cpp_q8", "int4", (32, 32), model.device) is None
+    try:
+        small, _ = load_quantized(source, "cpp_q8" if q8 else kernel, device=model.device, progress=False)
+        kernels = ", ".join(sorted(set(small.quant_info.kernels.values())))
+        small_format = f"the GGUF as stored: int4 layers, q8_0 head ({kernels} kernels)"
+    except ValueError:  # not a GGUF, or its layers are not Q4_1/Q8_0
+        small, small_format = int4_model(model, kernel)
     compile = None
     if compile_unavailable(model.device) is None:
         compile = CompileConfig(batch_sizes=(1,), cpp_wrapper=True, freeze=True)
@@ -239,7 +248,7 @@ def _measure(args: argparse.Namespace, systems: tuple[str, ...], served: str | N
         def engine_step(batch: int, new_tokens: int) -> float:
             return decode_step_time(model, tok, batch, new_tokens, decode_kernel)[0]
 
-        fast, fast_format = fastest_single_stream(model, tok, args.quant_kernel)
+        fast, fast_format = fastest_single_stream(model, tok, args.quant_kernel, args.model)
         fast32, fast32_format = fastest_batch32(model, tok)
         report[llama.NAME] = llama.llama_cpp_effect(
             peer, model, tok, args.quick, engine_step, fast_format=fast_format,
