@@ -132,6 +132,11 @@ def test_round_trip_error_stays_within_half_a_step(shape):
     assert (err <= s / 2 + 2 ** -10 * (m.abs() + 16 * s) + 1e-7).all()
     assert q4.nbytes == w.numel() * 5 // 8  # 4-bit codes + a float16 scale and minimum per 32: 0.625 B/weight
 
+    q80 = quantize_weight(w, "q8_0")  # the float16 scale of each group is what rounds: half a step of it
+    step = q80.scale.float().repeat_interleave(GROUP_SIZE, dim=1)
+    assert ((q80.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    assert q80.nbytes == w.numel() * 34 // 32  # 8-bit codes + a float16 scale per 32: GGUF's Q8_0 block
+
     # round to nearest: half an ulp, relative; float16 below 2^-14 is subnormal, spaced 2^-24 apart
     for fmt, eps, tiny in (("float16", 2 ** -11, 2 ** -25), ("bfloat16", 2 ** -8, 0.0)):
         assert ((quantize_weight(w, fmt).dequantize() - w).abs() <= eps * w.abs() + tiny).all()
