@@ -11,10 +11,11 @@ and the output is the target's (greedy: token for token; sampled: in
 distribution, by the rejection rule of Leviathan et al. 2023 and Chen et al. 2023).
 
 Proposers here are per request (``propose(token_ids, k)``): the n-gram one is a
-cheap Python search; the draft model keeps a KV cache per sequence and rolls it
-back with the target. A batched draft (one draft forward for the whole batch,
-over a paged cache of its own, as vLLM does) is the next step for throughput at
-large batch, not for correctness.
+cheap Python search; the draft model keeps a KV cache per sequence, rolls it
+back with the target, and can run its one-token steps through a compiled graph.
+A batched draft (one draft forward for the whole batch, over a paged cache of its
+own, as vLLM does) is the next step for throughput at large batch, not for
+correctness.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from typing import Protocol
 
 import torch
 
+from . import cpu_kernels
+from .batch import Batch, SequenceWork
+from .compiled import CompileConfig, CompiledDecoder, compile_unavailable
 from .kv_cache import ContiguousKVCache
 from .params import SamplingParams
 from .model import Transformer
@@ -41,6 +45,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4       # n-gram: the longest suffix looked up earlier in the sequence
     prompt_lookup_min: int = 1       # n-gram: the shortest one tried before giving up for this step
     draft_model: Transformer | None = field(default=None, compare=False, repr=False)  # method "draft"
+    compile_draft: bool = False      # draft: its one-token steps through one compiled graph (CPU, float32)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -55,6 +60,8 @@ class SpeculativeConfig:
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("method 'draft' needs a draft model: pass draft_model=<Transformer with the target's "
                              "vocabulary>, or use method='ngram'")
+        if self.compile_draft and self.method != "draft":
+            raise ValueError("compile_draft compiles a draft model's steps: use it with method='draft'")
 
 
 class Proposer(Protocol):
@@ -124,9 +131,17 @@ class DraftModelProposer:
     own, starting from a copy of the shared prefix. At most ``max_sequences``
     caches are kept, the least recently used dropped first. A greedy draft is a
     deterministic proposer: its q is one-hot, which the rejection rule handles exactly.
+
+    ``compile``: the guesses after the first (one token each) run through one
+    compiled graph, the engine's batch-1 decode step (:class:`CompiledDecoder`, on a
+    CPU in float32 with our C++ attention): a cache's row is seen as a pool of
+    blocks 0, 1, 2, ... (a view, nothing copied), so every cache has the same
+    size, ``COMPILED_SLOTS`` tokens (a longer sequence grows past it and runs
+    eagerly). Compiled once per draft model, when the first proposer is built.
     """
 
-    def __init__(self, draft: Transformer, target_vocab_size: int, max_sequences: int = 8) -> None:
+    def __init__(self, draft: Transformer, target_vocab_size: int, max_sequences: int = 8,
+                 compile: bool = False) -> None:
         if draft.cfg.vocab_size != target_vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
                              f"target's ({target_vocab_size}): its token ids would mean other tokens; use a draft "
@@ -137,6 +152,24 @@ class DraftModelProposer:
         self.max_sequences = max_sequences
         self.sequences: list[_DraftSequence] = []  # least recently used first
         self.fed_tokens = 0  # tokens run through the draft, prefills included: what its caches save shows here
+        self.slots = 64  # a new cache's least size
+        self.decoder = _compiled_draft(draft) if compile else None
+        if self.decoder is not None:
+            self.slots = min(COMPILED_SLOTS, draft.cfg.context_length // BLOCK * BLOCK)
+            self.table = list(range(self.slots // BLOCK))
+            self._step(torch.zeros(1, 1, dtype=torch.long, device=draft.device), self._new_cache(1))  # warm
+
+    def _new_cache(self, tokens: int) -> ContiguousKVCache:
+        return _new_cache(self.model, tokens, self.slots)
+
+    def _step(self, token: torch.Tensor, cache: ContiguousKVCache) -> torch.Tensor:
+        """Logits [1, vocab] after ``token`` [1, 1]: compiled where the cache is of the compiled size."""
+        if self.decoder is None or cache.max_len != self.slots:
+            return self.model(token, cache, last_only=True)[:, -1]
+        batch = Batch.build([SequenceWork([int(token)], cache.length, self.table)], BLOCK, self.model.device)
+        logits = self.decoder(batch, _as_pool(cache))
+        cache.advance(1)
+        return logits
 
     @torch.inference_mode()
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
@@ -150,7 +183,8 @@ class DraftModelProposer:
         self.fed_tokens += x.shape[1] + k - 1
         guesses = []
         for i in range(k):  # greedy, on the device: one transfer to the host at the end
-            token = self.model(x, cache, last_only=True)[:, -1].argmax(dim=-1)
+            logits = self._step(x, cache) if x.shape[1] == 1 else self.model(x, cache, last_only=True)[:, -1]
+            token = logits.argmax(dim=-1)
             guesses.append(token)
             x = token[None]
         drafts = torch.cat(guesses).tolist()
@@ -170,7 +204,7 @@ class DraftModelProposer:
             self.sequences.remove(best)
             seq = best
         else:  # new, or another sequence's: copy the shared prefix
-            cache = _new_cache(self.model, len(ids) + k)
+            cache = self._new_cache(len(ids) + k)
             if best is not None and common:
                 cache.k[:, :, :common] = best.cache.k[:, :, :common]
                 cache.v[:, :, :common] = best.cache.v[:, :, :common]
@@ -182,11 +216,53 @@ class DraftModelProposer:
         return seq
 
 
-def _new_cache(model: Transformer, tokens: int) -> ContiguousKVCache:
-    """A draft cache with room for ``tokens``: the next power of two (at least 64, at most the context), so
-    that a growing sequence is copied into a bigger one rarely."""
-    slots = min(max(64, 1 << (tokens - 1).bit_length()), model.cfg.context_length)
+COMPILED_SLOTS = 1024  # a compiled draft's caches: one size, so one graph (46 KB a token for SmolLM2-135M)
+BLOCK = 16  # the block size a compiled draft step sees its cache in
+
+
+def _new_cache(model: Transformer, tokens: int, least: int = 64) -> ContiguousKVCache:
+    """A draft cache with room for ``tokens``: the next power of two (at least ``least``, at most the
+    context), so that a growing sequence is copied into a bigger one rarely."""
+    slots = min(max(least, 1 << (tokens - 1).bit_length()), model.cfg.context_length)
     return ContiguousKVCache(model.cfg, 1, slots, device=model.device, dtype=model.dtype)
+
+
+@dataclass
+class _Pool:
+    """A one-row contiguous cache as the paged pool a compiled step reads: its slots in blocks 0, 1, 2, ..."""
+
+    k: torch.Tensor  # [layers, blocks, BLOCK, KV, D], views of the cache's tensors
+    v: torch.Tensor
+    block_size: int = BLOCK
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+
+def _as_pool(cache: ContiguousKVCache) -> _Pool:
+    layers, _, slots, kv, d = cache.k.shape
+    return _Pool(*(t.view(layers, slots // BLOCK, BLOCK, kv, d) for t in (cache.k, cache.v)))
+
+
+def compile_draft_unavailable(draft: Transformer) -> str | None:
+    """Why ``compile_draft`` cannot work for ``draft`` here (None: it can)."""
+    reason = compile_unavailable(draft.device)
+    if reason is None and not (draft.device.type == "cpu" and draft.dtype == torch.float32):
+        reason = "a compiled draft runs on a CPU in float32 (its step reads the cache in our C++ attention)"
+    return reason or cpu_kernels.unavailable()
+
+
+def _compiled_draft(draft: Transformer) -> CompiledDecoder:
+    """The draft's batch-1 decode step, compiled once per model (kept on it: every engine's proposer shares it)."""
+    decoder = getattr(draft, "compiled_draft", None)
+    if decoder is None:
+        reason = compile_draft_unavailable(draft)
+        if reason:
+            raise ValueError(f"cannot compile the draft model: {reason}; use compile_draft=False")
+        decoder = draft.compiled_draft = CompiledDecoder(draft, CompileConfig(batch_sizes=(1,), cpp_wrapper=True,
+                                                                              freeze=True))
+    return decoder
 
 
 def _with_room(cache: ContiguousKVCache, tokens: int, model: Transformer) -> ContiguousKVCache:
@@ -204,7 +280,7 @@ def make_proposer(config: SpeculativeConfig, target: Transformer, max_sequences:
     """The config's proposer; a draft model keeps caches for up to ``max_sequences`` sequences (the batch)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
-    return DraftModelProposer(config.draft_model, target.cfg.vocab_size, max_sequences)
+    return DraftModelProposer(config.draft_model, target.cfg.vocab_size, max_sequences, config.compile_draft)
 
 
 @dataclass

@@ -184,7 +184,8 @@ def read_gguf(path: Path, progress: bool = True, *, dtype: torch.dtype = torch.f
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", disable=not progress):
         shape = tuple(reversed([int(n) for n in t.shape]))
         if t.tensor_type.name in stored and len(shape) == 2:
-            raw = torch.from_numpy(np.array(in_model_order(t.data.reshape(shape[0], -1), t.name)))  # a copy: the file is mapped read-only
+            # np.array copies: the file is mapped read-only
+            raw = torch.from_numpy(np.array(in_model_order(t.data.reshape(shape[0], -1), t.name)))
             kept = StoredTensor(t.tensor_type.name, raw.to(device), shape)
             if t.name != "token_embd.weight":
                 weights[_hf_name(t.name)] = kept

@@ -29,7 +29,7 @@ from enginelib.request import Request
 from enginelib.sampling import filter_logits
 from enginelib.scheduler import ScheduledWork, Scheduler, SchedulerConfig, SchedulerOutput
 from enginelib.speculative import (DraftModelProposer, NgramProposer, SpeculativeConfig, accept_greedy,
-                                   common_prefix, rejection_sample)
+                                   common_prefix, compile_draft_unavailable, rejection_sample)
 
 from .conftest import chat_ids, tiny_tokenizer
 
@@ -183,6 +183,37 @@ def test_the_draft_proposers_caches_propose_what_a_fresh_recompute_would(tiny):
     assert propose(b) and proposer.propose(list(range(tiny.cfg.context_length)), 4) == []  # no room: no guess
 
 
+def test_a_compiled_draft_proposes_its_own_greedy_continuation_and_keeps_the_engine_exact(tiny):
+    """compile_draft: one-token guesses through the engine's compiled batch-1 step, each cache's row seen as
+    blocks 0, 1, 2, ...; on the float32 tiny model they are the draft's greedy continuation, exactly."""
+    reason = compile_draft_unavailable(tiny)
+    if reason:
+        pytest.skip(reason)
+    proposer = DraftModelProposer(tiny, tiny.cfg.vocab_size, max_sequences=2, compile=True)
+    assert proposer.slots == tiny.cfg.context_length  # 256: below COMPILED_SLOTS, one size for every cache
+    rng = random.Random(2)
+    seqs = [[rng.randrange(200) for _ in range(20)], [rng.randrange(200) for _ in range(9)]]
+    for turn in range(12):  # two sequences in turn; a kept guess, a correction, rolled back each time
+        ids = seqs[turn % 2]
+        got = proposer.propose(ids, 4)
+        assert got == generate_cached(tiny, ids, SamplingParams(temperature=0, max_tokens=4)).token_ids
+        ids += got[:1] + [7]
+    assert proposer.decoder.calls[1] >= 12 * 3  # every one-token guess ran compiled
+    assert DraftModelProposer(tiny, tiny.cfg.vocab_size, compile=True).decoder is proposer.decoder  # compiled once
+
+    tok = tiny_tokenizer(tiny.cfg.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = SpeculativeConfig(method="draft", draft_model=tiny, compile_draft=True)
+    engine = Engine(tiny, tok, EngineConfig(num_blocks=64, block_size=4, speculative=spec))
+    prompts = [[rng.randrange(200) for _ in range(n)] for n in (5, 11)]
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for prompt, rid in zip(prompts, ids):
+        assert engine.request(rid).output_token_ids == generate_cached(tiny, prompt, params).token_ids
+    assert engine.spec_stats.acceptance_rate == 1.0 and engine.pool.num_used == 0  # its own draft: all kept
+
+
 def test_bad_speculative_configs_say_what_to_change(tiny):
     for k in (0, -2, True, 1.5):
         with pytest.raises(ValueError, match="num_speculative_tokens must be a positive integer"):
@@ -193,6 +224,8 @@ def test_bad_speculative_configs_say_what_to_change(tiny):
         SpeculativeConfig(method="draft")
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="compile_draft compiles a draft model's steps: use it with method='draft'"):
+        SpeculativeConfig(compile_draft=True)
     other = Transformer(ModelConfig.tiny(vocab_size=128))
     with pytest.raises(ValueError, match="vocabulary .128 tokens. differs from the target's .256."):
         Engine(tiny, tiny_tokenizer(256), EngineConfig(num_blocks=16, speculative=SpeculativeConfig(

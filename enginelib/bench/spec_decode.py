@@ -8,7 +8,7 @@ from ..model import Transformer
 from ..outputs import RequestOutput
 from ..params import SamplingParams
 from ..scheduler import SchedulerConfig
-from ..speculative import SpeculativeConfig, SpecStats
+from ..speculative import SpeculativeConfig, SpecStats, compile_draft_unavailable
 from ..tokenizer import Tokenizer
 from .results import _sync
 from .workloads import QUESTIONS, _chat, extractive_prompts
@@ -81,14 +81,17 @@ def spec_decode_effect(model: Transformer, tok: Tokenizer, quick: bool, k: int, 
     """Decode speed with speculation ÷ without, greedy, same prompts and max_tokens.
 
     The headline: batch 1 (one request at a time) on the seed workload's chats,
-    with ``draft`` (our model quantized, chapter 11) proposing. Then n-gram
+    with ``draft`` (our model quantized, chapter 11) proposing, its one-token steps
+    compiled where they can be (``compile_draft``: a CPU with a C++ compiler). Then n-gram
     lookup on the same chats, the same at batch 8, where a plain step is no
     longer bound by reading the weights, so the extra verified rows cost more and
     the gain shrinks, and on extractive prompts (copy a passage), the case prompt
     lookup is made for.
     """
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
-    drafted = SpeculativeConfig(method="draft", num_speculative_tokens=k, draft_model=draft)
+    compiled = compile_draft_unavailable(draft) is None  # the draft's one-token steps compiled, where they can be
+    drafted = SpeculativeConfig(method="draft", num_speculative_tokens=k, draft_model=draft, compile_draft=compiled)
+    draft_format += ", compiled" if compiled else ""
     n, new, new8, n_ext = (2, 24, 12, 1) if quick else (8, 128, 64, 4)
     chats = [_chat(tok, q) for q in QUESTIONS[:max(n, 8)]]
     copy = extractive_prompts(tok, n_ext)
