@@ -5,10 +5,13 @@ Python call that dispatches a kernel. ``torch.compile`` traces the step once,
 fuses what it can (norms, RoPE, SwiGLU, residuals) and, on a CPU, can let
 inductor freeze the weights (``freeze=True``: constants of the graph, pre-packed
 for oneDNN's matmul, no longer passed on every call); on a GPU the fused
-kernels replace launches. A traced graph has fixed shapes, so decode batches
-are padded up to a few sizes (*buckets*) and each size is compiled once, up
-front, as vLLM captures its graph sizes. Everything else (prefills, chunks,
-verification of guesses, batches bigger than the last bucket) runs eagerly.
+kernels replace launches. A traced graph has fixed shapes, so steps are padded
+up to a few sizes (*buckets*) of tokens and each size is compiled once, up
+front, as vLLM captures its graph sizes. A graph serves a step in which every
+token gets logits: decode (one token per sequence) and the verification of
+speculative guesses (a sequence's last token and its ``k`` guesses, each row
+attending to the keys up to its own position). Everything else (prefills,
+chunks, steps bigger than the last bucket) runs eagerly.
 On a CPU, once dynamo has traced a bucket, the engine calls the compiled graph
 itself: the bucket fixes the shapes that dynamo's guards would check on every call.
 
@@ -18,7 +21,10 @@ kernel (:func:`enginelib.cpu_kernels.decode_attention`: it writes the new K/V an
 reads keys through the block tables), called by the compiled code itself: the
 block tables, the context lengths and the cache's pools are inputs of the graph,
 the tables padded to a fixed width and padding rows given no keys, so one graph
-serves every step and no Python runs between the layers. Elsewhere attention is
+serves every step and no Python runs between the layers. A sequence verifying
+guesses becomes one row per token, each with the sequence's block table and
+its own context length (its position + 1): the kernel writes every row's K/V
+before any row attends, so each guess sees the ones before it, causally. Elsewhere attention is
 an opaque custom operator, ``enginelib::paged_attend``, that reads the step's
 :class:`PagedKVCache`, bound before each call, the way vLLM's attention reads its
 "forward context", and runs the cache's own ``attend``. With
@@ -51,7 +57,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """What to compile: decode batches padded up to ``batch_sizes``; ``mode`` is torch.compile's."""
+    """What to compile: steps padded up to ``batch_sizes`` tokens (a decode step has one per sequence, a
+    verification ``k + 1``); ``mode`` is torch.compile's."""
 
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     mode: str | None = None       # torch.compile's mode: None (its default) or e.g. "reduce-overhead" (CUDA graphs)
@@ -257,11 +264,12 @@ class _KeepBuilt:
 
 
 class CompiledDecoder:
-    """Runs decode-only steps (one new token per sequence) through one compiled graph per bucket.
+    """Runs steps in which every token gets logits (decode, verification of guesses) through one compiled
+    graph per bucket of tokens.
 
-    ``__call__(batch, cache)`` returns the logits of the batch's rows, [B, vocab],
-    exactly the rows the eager step would compute. ``compile()`` builds every
-    bucket up front and reports what it cost.
+    ``__call__(batch, cache)`` returns the logits of the batch's rows, [N, vocab],
+    the rows the eager step would compute. ``compile()`` builds every bucket up
+    front and reports what it cost.
     """
 
     def __init__(self, model: Transformer, config: CompileConfig | None = None) -> None:
@@ -301,14 +309,13 @@ class CompiledDecoder:
         """The fixed width the block tables are padded to: the blocks of the longest possible sequence."""
         return min(cache.num_blocks, -(-self.model.cfg.context_length // cache.block_size))
 
-    def bucket(self, num_seqs: int) -> int | None:
-        """The smallest compiled batch size that holds ``num_seqs`` sequences (None: run eagerly)."""
-        return next((b for b in self.config.batch_sizes if b >= num_seqs), None)
+    def bucket(self, num_tokens: int) -> int | None:
+        """The smallest compiled size that holds ``num_tokens`` rows (None: run eagerly)."""
+        return next((b for b in self.config.batch_sizes if b >= num_tokens), None)
 
     def serves(self, batch: Batch) -> bool:
-        """A decode-only step (one token per sequence, each sampled) that fits a bucket."""
-        return (batch.num_tokens == batch.num_seqs == len(batch.logits_indices)
-                and self.bucket(batch.num_seqs) is not None)
+        """A step whose every token is sampled (decode, or verification of guesses) that fits a bucket."""
+        return batch.num_tokens == len(batch.logits_indices) and self.bucket(batch.num_tokens) is not None
 
     def _tracing(self, size: int) -> AbstractContextManager:
         """With ``freeze``, inductor's freezing switched on while a bucket's first call traces it, its float32
@@ -354,7 +361,7 @@ class CompiledDecoder:
 
     @torch.inference_mode()
     def __call__(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
-        size = self.bucket(batch.num_seqs)
+        size = self.bucket(batch.num_tokens)
         self.calls[size] += 1
         pad = size - batch.num_tokens
         token_ids, positions = batch.token_ids, batch.positions
@@ -363,10 +370,13 @@ class CompiledDecoder:
         if self.fused_attention:
             # checked once for the step's 30 attention calls, then padded: the graph's shapes are fixed
             cpu_kernels.check_tables(batch.block_tables, batch.context_lens, cache.num_blocks, cache.block_size)
-            tables = batch.block_tables.new_zeros(size, self.table_width(cache))
-            tables[:batch.num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
-            logits = self._run(size, (token_ids, positions, tables, F.pad(batch.context_lens, (0, pad)),
-                                      cache.k, cache.v))
+            rows, lens = batch.block_tables, batch.context_lens
+            if batch.num_tokens != batch.num_seqs:  # guesses to verify: a row per token, keys up to its own
+                rows = rows.repeat_interleave(torch.tensor(batch.query_lens, device=rows.device), dim=0)
+                lens = batch.positions + 1
+            tables = rows.new_zeros(size, self.table_width(cache))
+            tables[:batch.num_tokens, :rows.shape[1]] = rows
+            logits = self._run(size, (token_ids, positions, tables, F.pad(lens, (0, pad)), cache.k, cache.v))
         else:
             with bound(cache.bind(batch)):
                 if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs

@@ -47,7 +47,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # seats, token budget, chunked prefill
     record: bool = False                # keep a StepRecord per step (for timelines and block maps)
     speculative: SpeculativeConfig | None = None  # guess tokens and verify them in one step (chapter 12); off: None
-    compile: CompileConfig | None = None  # decode steps through torch.compile, per batch-size bucket; off: None (eager)
+    compile: CompileConfig | None = None  # decode and verify steps through torch.compile, per bucket; off: None (eager)
     # CPU, float32: eager steps of one token per sequence attend with the C++ kernel a compiled step uses
     # (cpu_kernels.decode_attention: keys read where they lie) instead of gathering them for SDPA
     cpu_decode_kernel: bool = False

@@ -1,8 +1,8 @@
 """Decode through torch.compile (issue 11): the same tokens as eager, buckets padded up, a clear fallback.
 
 Compiling costs seconds per bucket, so the model-sized check uses one bucket
-and the tiny model covers padding, bucket changes and speculation's eager
-verification steps. ``CompiledDecoder.calls`` counts the steps each bucket
+and the tiny model covers padding, bucket changes and speculation's
+verification steps (a row per token). ``CompiledDecoder.calls`` counts the steps each bucket
 ran, so a test cannot pass by quietly running everything eagerly.
 """
 from __future__ import annotations
@@ -121,15 +121,21 @@ def test_a_trace_that_is_not_the_whole_step_is_not_called_directly():
 
 
 @needs_compiler
-def test_speculation_verifies_eagerly_and_decodes_compiled(tiny_dt):
+def test_speculation_verifies_in_the_compiled_graphs(tiny_dt):
+    """A verification (the last token and k guesses, every row sampled) runs in the bucket of its tokens: on a
+    CPU in float32 each row attends through the C++ kernel up to its own position, so the guesses are causal."""
     tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
-    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 8, 7, 6]]
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 8, 7, 6], [5, 6, 5, 6, 5]]
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
     engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=64, speculative=spec,
-                                               compile=CompileConfig(batch_sizes=(1, 2))))
-    got = _run(engine, prompts, [10, 10])
-    assert got == _run(Engine(tiny_dt, tok, EngineConfig(num_blocks=64)), prompts, [10, 10])
-    assert engine.spec_stats.proposed > 0 and sum(engine.compiled.calls.values()) > 0
+                                               compile=CompileConfig(batch_sizes=(1, 2, 4, 8))))
+    got = _run(engine, prompts, [10, 12, 9])
+    assert got == _run(Engine(tiny_dt, tok, EngineConfig(num_blocks=64)), prompts, [10, 12, 9])
+    assert engine.spec_stats.proposed > 0 and engine.spec_stats.accepted > 0
+    # a sequence verifying 3 guesses has 4 rows: bucket 4, or 8 beside other sequences (3 decoding alone: 4)
+    assert engine.compiled.calls[8] > 0 and engine.compiled.calls[4] > 0
+    # every step after the prefill ran compiled: nothing bigger than 8 rows, nothing but sampled rows
+    assert sum(engine.compiled.calls.values()) == engine.steps - 1
 
 
 def test_no_compiler_falls_back_to_eager_with_the_fix_named(tiny_dt, monkeypatch):
