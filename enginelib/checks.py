@@ -32,7 +32,7 @@ import torch
 
 from .model import Transformer
 
-NEAR_TIE_MARGIN = 0.25  # float32 top-2 logit gap below which an argmax may flip in float16: see the module docstring
+NEAR_TIE_MARGIN = 0.25  # logits below the float32 best within which an argmax may flip in float16: see the docstring
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ the tables padded to a fixed width and padding rows given no keys, so one graph
 serves every step and no Python runs between the layers. A sequence verifying
 guesses becomes one row per token, each with the sequence's block table and
 its own context length (its position + 1): the kernel writes every row's K/V
-before any row attends, so each guess sees the ones before it, causally. Elsewhere attention is
-an opaque custom operator, ``enginelib::paged_attend``, that reads the step's
+before any row attends, so each guess sees the ones before it, causally.
+Elsewhere attention is an opaque custom operator, ``enginelib::paged_attend``, that reads the step's
 :class:`PagedKVCache`, bound before each call, the way vLLM's attention reads its
 "forward context", and runs the cache's own ``attend``. With
 ``mode="reduce-overhead"`` on a GPU, inductor's graph partition replays CUDA
