@@ -4,11 +4,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from enginelib import Engine, EngineConfig, SamplingParams, SchedulerConfig, bench
+from enginelib.bench.roofline import _best_time
 
 SCHEMA = [
     "systems.engine.tok_per_s", "systems.engine.ttft_p50_s", "systems.engine.tpot_p50_s",
@@ -140,3 +143,16 @@ def test_bad_section_flags_say_what_to_change(flags, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--no-serve", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_a_roof_is_the_best_of_calls_spread_over_the_minimum_time():
+    durations = iter([0.5] + [0.02] * 3 + [0.001] + [0.02] * 1000)  # a warm-up, then one fast call among slow
+    calls = []
+
+    def work():
+        calls.append(1)
+        time.sleep(next(durations))
+
+    best = _best_time(work, torch.device("cpu"), repeats=3, min_seconds=0.2)
+    assert best < 0.01  # the warm-up does not count, and the fast call after `repeats` calls is kept
+    assert len(calls) - 1 >= 3 and len(calls) * 0.02 >= 0.2  # at least `repeats`, and still calling at 0.2 s

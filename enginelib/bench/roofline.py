@@ -15,30 +15,33 @@ from .hf import _hf_single_stream
 from .workloads import QUESTIONS, _chat
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+def _best_time(work, device: torch.device, repeats: int, min_seconds: float) -> float:
+    """Fastest of at least ``repeats`` timed calls (after one warm-up) spread over ``min_seconds``:
+    a roof is the best the machine does, and a short burst of other work must not set it."""
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times, start = [], time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - start < min_seconds:
+        t = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5,
+                min_seconds: float = 1.5) -> float:
     """Best FLOP/s of a square matmul: the compute roof."""
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / min(times[1:])
+    return 2 * n ** 3 / _best_time(lambda: a @ b, device, repeats, min_seconds)
 
 
-def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 10) -> float:
+def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 10, min_seconds: float = 1.0) -> float:
     """Best bytes/s of summing a large float32 tensor: the memory roof for decode."""
     x = torch.ones(megabytes * 2**20 // 4, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        x.sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return x.nbytes / min(times[1:])
+    return x.nbytes / _best_time(x.sum, device, repeats, min_seconds)
 
 
 def decode_flops_per_token(model: Transformer, context: int) -> float:
