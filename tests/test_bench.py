@@ -12,6 +12,11 @@ import torch
 
 from enginelib import Engine, EngineConfig, SamplingParams, SchedulerConfig, bench
 from enginelib.bench.roofline import _best_time
+from enginelib.bench.spec_decode import compiled_target_effect
+from enginelib.compiled import compile_unavailable
+from enginelib.speculative import SpeculativeConfig
+
+from .conftest import DEVICE, tiny_tokenizer
 
 SCHEMA = [
     "systems.engine.tok_per_s", "systems.engine.ttft_p50_s", "systems.engine.tpot_p50_s",
@@ -156,3 +161,16 @@ def test_a_roof_is_the_best_of_calls_spread_over_the_minimum_time():
     best = _best_time(work, torch.device("cpu"), repeats=3, min_seconds=0.2)
     assert best < 0.01  # the warm-up does not count, and the fast call after `repeats` calls is kept
     assert len(calls) - 1 >= 3 and len(calls) * 0.02 >= 0.2  # at least `repeats`, and still calling at 0.2 s
+
+
+@pytest.mark.skipif(compile_unavailable(DEVICE) is not None, reason="needs torch.compile's compiler")
+def test_speculation_is_weighed_against_compiled_plain_decode_too(tiny_dt):
+    tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 6, 5, 6, 5]]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+    report = compiled_target_effect(tiny_dt, tok, prompts, 10, spec)
+    assert report["texts_equal"] == 1.0 and report["proposed"] > 0
+    assert report["speedup_b1"] == report["tok_per_s"] / report["tok_per_s_plain"] > 0
+    # both sides ran their decode steps in their one bucket (1 token; a verification's 4)
+    assert report["compiled_steps"]["plain"] > 0 and report["compiled_steps"]["spec"] > 0
+    assert set(report["compile_seconds"]) == {"plain", "spec"}

@@ -77,6 +77,10 @@ def _print_summary(report: dict) -> None:
               f"{d['acceptance']:.0%}, {d['mean_accepted_length']:.2f} kept per check), n-gram {g['speedup_b1']:.2f}x "
               f"(acceptance {g['acceptance']:.0%}); n-gram {g['speedup_b8']:.2f}x at batch 8, {e['speedup_b1']:.2f}x "
               f"copying a passage (acceptance {e['acceptance']:.0%}); {d['texts_equal']:.0%} of texts equal plain greedy's")
+        if "compiled_target" in d:
+            c = d["compiled_target"]
+            print(f"spec decode with the target compiled on both sides: {c['speedup_b1']:.2f}x "
+                  f"({c['tok_per_s']:.1f} vs {c['tok_per_s_plain']:.1f} tok/s), {c['texts_equal']:.0%} of texts equal")
     if "quant" in report:
         q = report["quant"]
         for fmt in ("int8", "int4"):
