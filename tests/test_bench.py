@@ -160,7 +160,8 @@ def test_a_roof_is_the_best_of_calls_spread_over_the_minimum_time():
 
     best = _best_time(work, torch.device("cpu"), repeats=3, min_seconds=0.2)
     assert best < 0.01  # the warm-up does not count, and the fast call after `repeats` calls is kept
-    assert len(calls) - 1 >= 3 and len(calls) * 0.02 >= 0.2  # at least `repeats`, and still calling at 0.2 s
+    timed = len(calls) - 1
+    assert timed >= 10  # not stopped at `repeats` (3): the calls of 0.02 s went on until 0.2 s had passed
 
 
 @pytest.mark.skipif(compile_unavailable(DEVICE) is not None, reason="needs torch.compile's compiler")
