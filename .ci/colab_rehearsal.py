@@ -17,7 +17,7 @@ Then, against a local clone of this repository (HEAD plus the working tree's cha
    same process and Colab's versions are untouched;
 2. a setup cell whose install fails raises an error that shows pip's output and says what to do;
 3. the widget code runs under ipywidgets 7.7.1: EngineExplorer's callbacks drive a tiny engine,
-   and BlockMapPlayer (when enginelib.player exists) builds its HTML;
+   and BlockMapPlayer (when enginelib.viz.player exists) builds its HTML;
 4. optionally, a chapter runs top to bottom there with nbclient.
 Exits non-zero on any failure.
 """
@@ -232,7 +232,7 @@ import contextlib, io, ipywidgets, IPython, torch
 from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 from enginelib import Engine, EngineConfig, SamplingParams
 from enginelib.model import ModelConfig, Transformer
-from enginelib.tokenizer import Tokenizer
+from enginelib.model.tokenizer import Tokenizer
 from enginelib.viz import EngineExplorer
 
 print("ipywidgets", ipywidgets.__version__, "IPython", IPython.__version__)
@@ -269,11 +269,11 @@ figures = drawn.getvalue().count("Figure(")
 assert figures >= 2, drawn.getvalue()[-2000:]  # a block map and a timeline, at least once
 print("explorer:", len(engine.history), "steps driven through its callbacks,", figures, "figures drawn")
 try:
-    from enginelib.player import BlockMapPlayer
+    from enginelib.viz.player import BlockMapPlayer
 except ModuleNotFoundError as err:
-    if err.name != "enginelib.player":
+    if err.name != "enginelib.viz.player":
         raise
-    print("player: enginelib.player not found, skipped")
+    print("player: enginelib.viz.player not found, skipped")
 else:
     player = BlockMapPlayer(engine.history, title="rehearsal")
     html = player._repr_html_()

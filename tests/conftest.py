@@ -6,7 +6,7 @@ it with CPU tensors (test_model.py).
 ``ENGINELIB_DTYPE=float16`` (or bfloat16) runs the engine tests in that dtype:
 ``real`` follows it, ``real_f32`` and ``tiny`` stay float32 for the tests that are
 float32 by nature (the transformers oracle, tolerances of 1e-5). Greedy tokens
-compared across batch shapes go through ``agree`` (:func:`enginelib.checks.check_greedy`),
+compared across batch shapes go through ``agree`` (:func:`enginelib.model.checks.check_greedy`),
 which also tallies identical vs near-tie requests for the session's summary.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import enginelib
-from enginelib.checks import Agreement, check_greedy
-from enginelib.device import default_dtype
 from enginelib.model import ModelConfig, Transformer
-from enginelib.tokenizer import Tokenizer
+from enginelib.model.checks import Agreement, check_greedy
+from enginelib.model.device import default_dtype
+from enginelib.model.tokenizer import Tokenizer
 
 enginelib.set_threads()
 DEVICE = torch.device(os.environ.get("ENGINELIB_TEST_DEVICE", "cpu"))
@@ -119,7 +119,7 @@ def batched_equals_alone(model: Transformer, tokenizer, prompts: list[list[int]]
     """Run ``prompts`` through one engine, batched together; assert each request's tokens equal the plain
     single-request reference's (the oracle) and that every block came back; return the tokens."""
     from enginelib.baselines import generate_cached
-    from enginelib.engine import Engine, EngineConfig
+    from enginelib.core.engine import Engine, EngineConfig
 
     alone = [generate_cached(model, p, params, tokenizer.eos_token_id).token_ids for p in prompts]
     engine = Engine(model, tokenizer, EngineConfig(num_blocks=64, block_size=16))

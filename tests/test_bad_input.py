@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from enginelib.engine import Engine, EngineConfig
-from enginelib.llm import LLM
-from enginelib.sampling import SamplingParams
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.llm import LLM
+from enginelib.model.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 

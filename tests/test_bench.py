@@ -13,8 +13,8 @@ import torch
 from enginelib import Engine, EngineConfig, SamplingParams, SchedulerConfig, bench
 from enginelib.bench.roofline import _best_time
 from enginelib.bench.spec_decode import compiled_target_effect
-from enginelib.compiled import compile_unavailable
-from enginelib.speculative import SpeculativeConfig
+from enginelib.speed.compiled import compile_unavailable
+from enginelib.speed.speculative import SpeculativeConfig
 
 from .conftest import DEVICE, tiny_tokenizer
 

@@ -6,8 +6,8 @@ import torch
 
 import enginelib
 from enginelib.baselines import generate_cached
-from enginelib.checks import NEAR_TIE_MARGIN, Agreement, Divergence, check_greedy
-from enginelib.sampling import SamplingParams
+from enginelib.model.checks import NEAR_TIE_MARGIN, Agreement, Divergence, check_greedy
+from enginelib.model.sampling import SamplingParams
 
 from .conftest import chat_ids
 

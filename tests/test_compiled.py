@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginelib import compiled
-from enginelib import engine as engine_module
-from enginelib.compiled import CompileConfig, compile_unavailable
-from enginelib.engine import Engine, EngineConfig
-from enginelib.params import SamplingParams
-from enginelib.speculative import SpeculativeConfig
+from enginelib.config import SamplingParams
+from enginelib.core import engine as engine_module
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.speed import compiled
+from enginelib.speed.compiled import CompileConfig, compile_unavailable
+from enginelib.speed.speculative import SpeculativeConfig
 
 from .conftest import DEVICE, chat_ids, tiny_tokenizer
 
@@ -161,7 +161,7 @@ def test_bad_compile_settings_are_refused(real):
 
 
 def test_unpacking_shares_the_weights(real):
-    from enginelib.device import PackedLinear, unpack_linears
+    from enginelib.model.device import PackedLinear, unpack_linears
 
     model = real[0]
     plain = unpack_linears(model)

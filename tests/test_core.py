@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import enginelib
-from enginelib.engine import KEEP_FINISHED, Engine, EngineConfig
-from enginelib.params import SamplingParams
-from enginelib.sampling import filter_logits
-from enginelib.scheduler import SchedulerConfig
-from enginelib.tokenizer import IncrementalDetokenizer
+from enginelib.config import SamplingParams
+from enginelib.core.engine import KEEP_FINISHED, Engine, EngineConfig
+from enginelib.core.scheduler import SchedulerConfig
+from enginelib.model.sampling import filter_logits
+from enginelib.model.tokenizer import IncrementalDetokenizer
 
 from .conftest import tiny_tokenizer
 
@@ -89,7 +89,7 @@ def test_metrics_are_consistent_and_blocks_come_back(tiny_dt):
 
 
 def test_the_engine_forgets_finished_requests_but_keeps_counting(tiny_dt, monkeypatch):
-    monkeypatch.setattr("enginelib.engine.KEEP_FINISHED", 2)
+    monkeypatch.setattr("enginelib.core.engine.KEEP_FINISHED", 2)
     tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
     engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=32, block_size=4, record=True))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

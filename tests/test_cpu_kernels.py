@@ -1,4 +1,4 @@
-"""Our C++ int8/int4 kernels (enginelib/cpu_kernels.py): equal to the plain-PyTorch reference up to float32
+"""Our C++ int8/int4 kernels (enginelib/speed/cpu_kernels.py): equal to the plain-PyTorch reference up to float32
 rounding on every tile shape, in the AVX2 path and the plain fallback, inside torch.compile, and when they
 cannot be built the reason names the fix."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from enginelib import cpu_kernels
-from enginelib.quant import QuantLinear, kernel_unavailable, quantize, quantize_weight
+from enginelib.speed import cpu_kernels
+from enginelib.speed.quant import QuantLinear, kernel_unavailable, quantize, quantize_weight
 
 CPU = torch.device("cpu")
 # Builds the kernels (once per source, then cached). On CI ($CI set) a missing compiler or ninja fails the tests.
@@ -149,8 +149,8 @@ def test_unavailable_names_the_fix_and_auto_skips_it(tiny, monkeypatch, tmp_path
 def test_engine_batch_equals_each_request_alone(real_f32):
     """Bit-identical rows in any batch: the engine's batched greedy tokens are each request's own, exactly."""
     from enginelib.baselines import generate_cached
-    from enginelib.engine import Engine, EngineConfig
-    from enginelib.params import SamplingParams
+    from enginelib.config import SamplingParams
+    from enginelib.core.engine import Engine, EngineConfig
 
     from .conftest import batched_equals_alone, chat_ids
 
@@ -195,8 +195,8 @@ def test_decode_attention_writes_the_new_keys_and_reads_through_the_block_tables
 def test_the_eager_engine_can_attend_with_the_decode_kernel(real_f32, tiny, agree):
     """EngineConfig(cpu_decode_kernel=True): decode steps attend in the C++ kernel, prefills as before; the
     tokens are the default engine's (up to a near tie), no block is leaked, and elsewhere it is refused."""
-    from enginelib.engine import Engine, EngineConfig
-    from enginelib.params import SamplingParams
+    from enginelib.config import SamplingParams
+    from enginelib.core.engine import Engine, EngineConfig
 
     from .conftest import chat_ids
 

@@ -11,8 +11,19 @@ import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from enginelib.diagrams import (MASKED, READ, T4_FP16, T4_FP32, WRITTEN, Roof, arithmetic_intensity,  # noqa: E402
-                                causal_attention, kv_cache_growth, paged_attention_flow, prefill_vs_decode)
+from enginelib.viz.diagrams import (  # noqa: E402
+    MASKED,
+    READ,
+    T4_FP16,
+    T4_FP32,
+    WRITTEN,
+    Roof,
+    arithmetic_intensity,
+    causal_attention,
+    kv_cache_growth,
+    paged_attention_flow,
+    prefill_vs_decode,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -170,7 +181,7 @@ def test_paged_attention_flow_rejects_bad_input(kwargs):
 
 
 def test_speculative_step_keeps_the_agreeing_prefix_then_the_targets_token():
-    from enginelib.diagrams import ACCEPTED, DISCARDED, REJECTED, TARGET, speculative_step
+    from enginelib.viz.diagrams import ACCEPTED, DISCARDED, REJECTED, TARGET, speculative_step
 
     fig = speculative_step(["The", " cat"], [" sat", " on", " a", " mat"], [" sat", " on", " the", " mat", "."])
     ax = fig.axes[0]
@@ -185,7 +196,7 @@ def test_speculative_step_keeps_the_agreeing_prefix_then_the_targets_token():
 
 
 def test_speculative_step_all_accepted_earns_a_bonus_token():
-    from enginelib.diagrams import speculative_step
+    from enginelib.viz.diagrams import speculative_step
 
     fig = speculative_step(["a"], ["b", "c"], ["b", "c", "d"])
     assert "bonus" in texts(fig) and "emitted: 3 tokens" in texts(fig)
@@ -200,7 +211,7 @@ def test_speculative_step_all_accepted_earns_a_bonus_token():
     ([], ["b"], ["b", "c"]),               # no context
 ])
 def test_speculative_step_rejects_bad_input(context, guesses, target):
-    from enginelib.diagrams import speculative_step
+    from enginelib.viz.diagrams import speculative_step
 
     with pytest.raises(ValueError):
         speculative_step(context, guesses, target)

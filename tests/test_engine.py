@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from enginelib.baselines import generate_cached
-from enginelib.engine import Engine, EngineConfig
-from enginelib.llm import LLM
-from enginelib.sampling import SamplingParams
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.llm import LLM
+from enginelib.model.sampling import SamplingParams
 
 from .conftest import chat_ids
 
@@ -169,7 +169,7 @@ def test_free_gpu_memory_counts_what_pytorch_caches_but_no_tensor_holds(monkeypa
     """A KV pool sized from mem_get_info alone would shrink with every Engine made in one process."""
     import torch
 
-    from enginelib.device import free_gpu_memory
+    from enginelib.model.device import free_gpu_memory
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gib, 15 * gib))

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from enginelib.device import PackedLinear, can_pack, pack_linears
-from enginelib.kv_cache import ContiguousKVCache
+from enginelib.baselines.kv_cache import ContiguousKVCache
 from enginelib.model import ModelConfig, Transformer, apply_rope, attention, attention_mask, rope_cos_sin
+from enginelib.model.device import PackedLinear, can_pack, pack_linears
 
 from .conftest import hf_weights
 
@@ -142,7 +142,7 @@ def test_the_additive_mask_built_once_gives_exactly_what_the_boolean_one_does(t)
 
 
 def test_the_forward_pass_without_a_cache_builds_its_causal_mask_once(tiny, monkeypatch):
-    import enginelib.model as model_module
+    import enginelib.model.transformer as model_module
 
     calls = []
     original = model_module.attention_mask

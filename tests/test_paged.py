@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from enginelib.baselines import generate_cached
-from enginelib.batch import Batch, SequenceWork
-from enginelib.block_pool import BlockPool, NoFreeBlocks
-from enginelib.checks import check_greedy
-from enginelib.device import default_dtype
-from enginelib.engine import Engine, EngineConfig
-from enginelib.kv_cache import PagedKVCache
+from enginelib.core.batch import Batch, SequenceWork
+from enginelib.core.block_pool import BlockPool, NoFreeBlocks
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.paged_cache import PagedKVCache
+from enginelib.core.request import RequestStatus
+from enginelib.core.scheduler import SchedulerConfig
 from enginelib.model import ModelConfig, attention
-from enginelib.request import RequestStatus
-from enginelib.scheduler import SchedulerConfig
-from enginelib.sampling import SamplingParams
+from enginelib.model.checks import check_greedy
+from enginelib.model.device import default_dtype
+from enginelib.model.sampling import SamplingParams
 
 from .conftest import tiny_tokenizer
 

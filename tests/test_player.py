@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import pytest
 from matplotlib.colors import to_hex
 
-from enginelib.engine import Engine, EngineConfig, StepRecord
-from enginelib.player import BlockMapPlayer
-from enginelib.sampling import SamplingParams
+from enginelib.core.engine import Engine, EngineConfig, StepRecord
+from enginelib.model.sampling import SamplingParams
 from enginelib.viz import busiest_frame, request_color
+from enginelib.viz.player import BlockMapPlayer
 
 
 def run_tiny_engine(model, num_blocks: int = 10, block_size: int = 4, arrivals: dict | None = None,

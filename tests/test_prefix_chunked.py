@@ -17,14 +17,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from enginelib.baselines import generate_cached
-from enginelib.block_pool import BlockPool
-from enginelib.checks import check_greedy
-from enginelib.engine import Engine, EngineConfig
-from enginelib.kv_cache import PagedKVCache
-from enginelib.kv_manager import KVCacheManager, chain_hashes
-from enginelib.params import SamplingParams
-from enginelib.request import Request
-from enginelib.scheduler import SchedulerConfig
+from enginelib.config import SamplingParams
+from enginelib.core.block_pool import BlockPool
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.kv_manager import KVCacheManager, chain_hashes
+from enginelib.core.paged_cache import PagedKVCache
+from enginelib.core.request import Request
+from enginelib.core.scheduler import SchedulerConfig
+from enginelib.model.checks import check_greedy
 
 from .conftest import chat_ids, tiny_tokenizer
 

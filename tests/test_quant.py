@@ -6,13 +6,28 @@ import pytest
 import torch
 
 from enginelib.baselines import generate_cached
-from enginelib.engine import Engine, EngineConfig
-from enginelib.params import SamplingParams
-from enginelib.quant import (GROUP_SIZE, KERNELS, QuantLinear, decode_tokens_per_second, format_row, from_gguf_q4_1,
-                             from_gguf_q8_0, greedy_agreement, kernel_unavailable, linear_bytes_per_param,
-                             load_quantized, pack_int4, perplexity, quantize, quantize_weight, unpack_int4,
-                             weight_bytes)
-from enginelib.weights import load_model
+from enginelib.config import SamplingParams
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.model.weights import load_model
+from enginelib.speed.quant import (
+    GROUP_SIZE,
+    KERNELS,
+    QuantLinear,
+    decode_tokens_per_second,
+    format_row,
+    from_gguf_q4_1,
+    from_gguf_q8_0,
+    greedy_agreement,
+    kernel_unavailable,
+    linear_bytes_per_param,
+    load_quantized,
+    pack_int4,
+    perplexity,
+    quantize,
+    quantize_weight,
+    unpack_int4,
+    weight_bytes,
+)
 
 from .conftest import batched_equals_alone, chat_ids, tiny_tokenizer
 
@@ -109,7 +124,7 @@ def test_requantizing_the_shipped_q4_1_layers_is_lossless(real_f32):
     """The model's layers were Q4_1 in the file (its tied embedding Q8_0): int4 finds the same grid again."""
     from gguf import GGUFReader
 
-    from enginelib.weights import fetch
+    from enginelib.model.weights import fetch
 
     tensor = next(t for t in GGUFReader(fetch()).tensors if t.name == "blk.0.ffn_down.weight")
     want = real_f32[0].layers[0].mlp.down_proj.weight

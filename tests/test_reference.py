@@ -11,7 +11,7 @@ import torch
 
 import enginelib
 from enginelib.baselines import generate_cached, generate_naive, generate_static
-from enginelib.sampling import SamplingParams
+from enginelib.model.sampling import SamplingParams
 
 from .conftest import chat_ids
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginelib.sampling import SamplingParams, filter_logits, make_generator, sample
+from enginelib.model.sampling import SamplingParams, filter_logits, make_generator, sample
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -22,10 +22,10 @@ import openai
 import pytest
 
 from enginelib import LLM, SamplingParams
-from enginelib.async_engine import AsyncEngine, EngineDead, EngineOverloaded
-from enginelib.engine import Engine, EngineConfig
-from enginelib.scheduler import SchedulerConfig
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.scheduler import SchedulerConfig
 from enginelib.serve import ServerProcess
+from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 
 MODEL = "smollm2-135m"
 PROMPTS = [f"Here is fact number {i} about the {w}:" for i, w in
@@ -352,8 +352,8 @@ def test_speed_flags_become_the_engine_config():
 def test_a_draft_model_is_served_from_the_command_line():
     """vLLM's way: '--speculative-config {"method": "draft", "model": ...}'; by default the served file, as stored
     (its Q4_1 layers: an int4 draft)."""
-    from enginelib.quant import QuantLinear
     from enginelib.serve import engine_config, parse_args
+    from enginelib.speed.quant import QuantLinear
 
     config = engine_config(parse_args(["--speculative-config", '{"method": "draft", "num_speculative_tokens": 3}']))
     spec = config.speculative

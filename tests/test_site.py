@@ -265,10 +265,10 @@ def fixture_book(tmp_path_factory):
     """A one-notebook Jupyter Book with the repository's _config.yml; returns (html folder, history)."""
     import torch
 
-    from enginelib.explorer import EngineExplorer
     from enginelib.model import ModelConfig, Transformer
-    from enginelib.player import BlockMapPlayer
-    from enginelib.sampling import SamplingParams
+    from enginelib.model.sampling import SamplingParams
+    from enginelib.viz.explorer import EngineExplorer
+    from enginelib.viz.player import BlockMapPlayer
     from tests.test_player import run_tiny_engine
 
     torch.manual_seed(0)

@@ -20,16 +20,23 @@ import pytest
 import torch
 
 from enginelib.baselines import generate_cached
-from enginelib.block_pool import BlockPool
-from enginelib.engine import Engine, EngineConfig
-from enginelib.kv_manager import KVCacheManager, chain_hashes
+from enginelib.config import SamplingParams
+from enginelib.core.block_pool import BlockPool
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.kv_manager import KVCacheManager, chain_hashes
+from enginelib.core.request import Request
+from enginelib.core.scheduler import ScheduledWork, Scheduler, SchedulerConfig, SchedulerOutput
 from enginelib.model import ModelConfig, Transformer
-from enginelib.params import SamplingParams
-from enginelib.request import Request
-from enginelib.sampling import filter_logits
-from enginelib.scheduler import ScheduledWork, Scheduler, SchedulerConfig, SchedulerOutput
-from enginelib.speculative import (DraftModelProposer, NgramProposer, SpeculativeConfig, accept_greedy,
-                                   common_prefix, compile_draft_unavailable, rejection_sample)
+from enginelib.model.sampling import filter_logits
+from enginelib.speed.speculative import (
+    DraftModelProposer,
+    NgramProposer,
+    SpeculativeConfig,
+    accept_greedy,
+    common_prefix,
+    compile_draft_unavailable,
+    rejection_sample,
+)
 
 from .conftest import chat_ids, tiny_tokenizer
 

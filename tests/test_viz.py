@@ -10,8 +10,7 @@ import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from enginelib.baselines import Generation, StaticBatchRun  # noqa: E402
-from enginelib.viz import (STATE_LABELS, Segment, plot_padding, plot_static_timeline,  # noqa: E402
-                           static_timeline_segments)
+from enginelib.viz import STATE_LABELS, Segment, plot_padding, plot_static_timeline, static_timeline_segments  # noqa: E402
 
 
 def make_run(lengths: list[int], step_times: list[float] | None = None) -> StaticBatchRun:
@@ -122,10 +121,18 @@ def test_padding_rejects_labels_that_do_not_fit():
 
 # --- the engine's pictures: hand-made StepRecords, then a real (tiny) engine -------------
 
-from enginelib.engine import Engine, EngineConfig, StepRecord  # noqa: E402
-from enginelib.sampling import SamplingParams  # noqa: E402
-from enginelib.viz import (EngineExplorer, busiest_frame, engine_timeline_segments, ink_for,  # noqa: E402
-                           plot_block_map, plot_engine_step, plot_engine_timeline, request_color)
+from enginelib.core.engine import Engine, EngineConfig, StepRecord  # noqa: E402
+from enginelib.model.sampling import SamplingParams  # noqa: E402
+from enginelib.viz import (  # noqa: E402
+    EngineExplorer,
+    busiest_frame,
+    engine_timeline_segments,
+    ink_for,
+    plot_block_map,
+    plot_engine_step,
+    plot_engine_timeline,
+    request_color,
+)
 
 
 def record(step, scheduled, prefill, states, tables, cached, preempted=()) -> StepRecord:
@@ -234,18 +241,18 @@ def test_the_explorer_drives_an_engine_and_leaves_a_still(tiny):
 
 
 def test_explorer_is_importable_from_its_module_and_from_viz():
-    from enginelib import explorer, viz
+    from enginelib import viz
+    from enginelib.viz import explorer
 
     assert viz.EngineExplorer is explorer.EngineExplorer
     with pytest.raises(AttributeError):
-        viz.animate_block_map  # replaced by enginelib.player.BlockMapPlayer
+        viz.animate_block_map  # replaced by enginelib.viz.player.BlockMapPlayer
 
 
 # --- chapter 10: the step mix, token gaps and the budget's trade-off ------------------------
 
-from enginelib.scheduler import SchedulerConfig  # noqa: E402
-from enginelib.viz import (plot_budget_tradeoff, plot_step_mix, plot_token_gaps, step_mix,  # noqa: E402
-                           token_gaps)
+from enginelib.core.scheduler import SchedulerConfig  # noqa: E402
+from enginelib.viz import plot_budget_tradeoff, plot_step_mix, plot_token_gaps, step_mix, token_gaps  # noqa: E402
 
 
 def chunked_run(tiny_dt, budget: int = 8):

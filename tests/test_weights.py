@@ -12,9 +12,9 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 import enginelib
-from enginelib.device import PackedLinear
 from enginelib.model import ModelConfig, Transformer
-from enginelib.weights import read_checkpoint, resolve
+from enginelib.model.device import PackedLinear
+from enginelib.model.weights import read_checkpoint, resolve
 
 from .conftest import hf_weights
 
@@ -208,7 +208,7 @@ def test_unknown_model_name_lists_the_known_ones():
 
 
 def test_the_default_dtype_is_float32_unless_the_environment_says_otherwise(tmp_path, original, monkeypatch):
-    from enginelib.device import default_dtype
+    from enginelib.model.device import default_dtype
 
     monkeypatch.delenv("ENGINELIB_DTYPE", raising=False)
     assert default_dtype(torch.device("cpu")) == default_dtype(torch.device("cuda")) == torch.float32

@@ -28,20 +28,28 @@ The package, in the order a run uses it:
   :mod:`.serving`, :mod:`.spec_decode`, :mod:`.quantization`;
 - :mod:`.report` (tables, ratios) and :mod:`.cli` (``main``; ``__main__`` calls it).
 """
-from ..engine import EngineConfig
-from .cli import main
-from .endpoint import ENDPOINT, run_endpoint, served_model_name
-from .hf import load_hf, run_hf_static
-from .memory import concurrency, kv_waste
-from .profile import OP_KINDS, PHASES, profile_steps
-from .quantization import int4_model, quant_effect
-from .results import SystemResult
-from .roofline import decode_flops_per_token, decode_step_time, matmul_peak, read_bandwidth
-from .scheduling import chunked_prefill_effect, latency_curve, prefix_cache_effect
-from .serving import serve_args, serve_effect
-from .spec_decode import SpecRun, decode_seconds, run_spec, spec_decode_effect
-from .systems import SYSTEMS, run_engine, run_one_at_a_time, run_static
-from .workloads import QUESTIONS, WORKLOADS, BenchRequest, Workload, _chat, extractive_prompts, make_workload
+from enginelib.bench.cli import main
+from enginelib.bench.endpoint import ENDPOINT, run_endpoint, served_model_name
+from enginelib.bench.hf import load_hf, run_hf_static
+from enginelib.bench.memory import concurrency, kv_waste
+from enginelib.bench.profile import OP_KINDS, PHASES, profile_steps
+from enginelib.bench.quantization import int4_model, quant_effect
+from enginelib.bench.results import SystemResult
+from enginelib.bench.roofline import decode_flops_per_token, decode_step_time, matmul_peak, read_bandwidth
+from enginelib.bench.scheduling import chunked_prefill_effect, latency_curve, prefix_cache_effect
+from enginelib.bench.serving import serve_args, serve_effect
+from enginelib.bench.spec_decode import SpecRun, decode_seconds, run_spec, spec_decode_effect
+from enginelib.bench.systems import SYSTEMS, run_engine, run_one_at_a_time, run_static
+from enginelib.bench.workloads import (
+    QUESTIONS,
+    WORKLOADS,
+    BenchRequest,
+    Workload,
+    _chat,
+    extractive_prompts,
+    make_workload,
+)
+from enginelib.core.engine import EngineConfig
 
 __all__ = [
     "ENDPOINT", "OP_KINDS", "PHASES", "QUESTIONS", "SYSTEMS", "WORKLOADS", "BenchRequest", "EngineConfig", "SpecRun",

@@ -1,4 +1,4 @@
 """``python -m enginelib.bench``: see :mod:`enginelib.bench.cli`."""
-from .cli import main
+from enginelib.bench.cli import main
 
 main()

@@ -14,33 +14,33 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import cpu_kernels
-from ..baselines import generate_cached, generate_naive
-from ..device import PackedLinear, pick_device, set_threads
-from ..compiled import CompileConfig, compile_unavailable
-from ..engine import Engine, EngineConfig
-from ..model import Transformer
-from ..quant import kernel_unavailable, load_quantized
-from ..scheduler import SchedulerConfig
-from ..tokenizer import Tokenizer
-from ..weights import DEFAULT_MODEL, load_model
-from . import llama_cpp as llama
-from .compilation import compile_effect
-from .endpoint import ENDPOINT, run_endpoint, served_model_name
-from .hf import load_hf, run_hf_static
-from .memory import concurrency, kv_waste
-from .quantization import int4_model, quant_effect
-from .report import _print_summary, _print_table, _ratios
-from .results import SystemResult, _check_same_tokens, _same_texts
-from .roofline import _roofline, decode_step_time, engine_decode_step_time
-from .scheduling import chunked_prefill_effect, prefix_cache_effect
-from .serving import serve_args, serve_effect
-from .spec_decode import spec_decode_effect
-from .systems import SYSTEMS, run_engine, run_one_at_a_time, run_static
-from .workloads import WORKLOADS, BenchRequest, Workload, _chat, make_workload
+from enginelib.baselines.generate import generate_cached, generate_naive
+from enginelib.bench import llama_cpp as llama
+from enginelib.bench.compilation import compile_effect
+from enginelib.bench.endpoint import ENDPOINT, run_endpoint, served_model_name
+from enginelib.bench.hf import load_hf, run_hf_static
+from enginelib.bench.memory import concurrency, kv_waste
+from enginelib.bench.quantization import int4_model, quant_effect
+from enginelib.bench.report import _print_summary, _print_table, _ratios
+from enginelib.bench.results import SystemResult, _check_same_tokens, _same_texts
+from enginelib.bench.roofline import _roofline, decode_step_time, engine_decode_step_time
+from enginelib.bench.scheduling import chunked_prefill_effect, prefix_cache_effect
+from enginelib.bench.serving import serve_args, serve_effect
+from enginelib.bench.spec_decode import spec_decode_effect
+from enginelib.bench.systems import SYSTEMS, run_engine, run_one_at_a_time, run_static
+from enginelib.bench.workloads import WORKLOADS, BenchRequest, Workload, _chat, make_workload
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.scheduler import SchedulerConfig
+from enginelib.model.device import PackedLinear, pick_device, set_threads
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
+from enginelib.model.weights import DEFAULT_MODEL, load_model
+from enginelib.speed import cpu_kernels
+from enginelib.speed.compiled import CompileConfig, compile_unavailable
+from enginelib.speed.quant import kernel_unavailable, load_quantized
 
 if TYPE_CHECKING:
-    from ..serve import ServerProcess  # imported when used: the server stack is not needed offline
+    from enginelib.serve import ServerProcess  # imported when used: the server stack is not needed offline
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-quant", action="store_true", help="skip the quant section (int8 and int4 vs float)")
     ap.add_argument("--quant-kernel", default=None,
                     help="the kernel quantize() uses: auto (time the candidates per weight shape; the default "
-                         "in full runs) or a name from enginelib.quant.KERNELS; --quick defaults to cpp (our C++ "
+                         "in full runs) or a name from enginelib.speed.quant.KERNELS; --quick defaults to cpp (our C++ "
                          "kernels) where they build, else reference, since timing the candidates takes about "
                          "10 s per format on a 2-core CPU")
     ap.add_argument("--no-compile", action="store_true",
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.spec_k < 1:
         ap.error(f"--spec-k must be at least 1 (guesses per step), got {args.spec_k}")
-    from ..quant import KERNELS
+    from enginelib.speed.quant import KERNELS
 
     if args.quant_kernel is not None and args.quant_kernel not in ("auto", *KERNELS):
         ap.error(f"unknown --quant-kernel {args.quant_kernel!r}; choose from auto, {', '.join(KERNELS)}")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     workloads = WORKLOADS if args.workload == "all" else tuple(args.workload.split(","))
     server = peer = None
     if not args.no_serve:  # our server loads its model while we load ours; it idles until the serve section
-        from ..serve import ServerProcess
+        from enginelib.serve import ServerProcess
 
         server = ServerProcess(serve_args(args, device, threads, config, args.concurrency)).launch()
     try:

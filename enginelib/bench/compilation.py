@@ -1,15 +1,15 @@
 """The ``compile`` section: decode steps through torch.compile against the eager engine (chapter 11)."""
 from __future__ import annotations
 
-from ..compiled import CompileConfig, compile_unavailable
-from ..engine import Engine, EngineConfig
-from ..model import Transformer
-from ..outputs import RequestOutput
-from ..params import SamplingParams
-from ..tokenizer import Tokenizer
-from .results import _sync
-from .spec_decode import decode_seconds
-from .workloads import QUESTIONS, _chat
+from enginelib.bench.results import _sync
+from enginelib.bench.spec_decode import decode_seconds
+from enginelib.bench.workloads import QUESTIONS, _chat
+from enginelib.config import SamplingParams
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.outputs import RequestOutput
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
+from enginelib.speed.compiled import CompileConfig, compile_unavailable
 
 
 def _decode(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[float, list[list[int]]]:

@@ -12,9 +12,9 @@ from unittest import mock
 import torch
 from tqdm import tqdm  # disable=None: bars on a terminal only, none in logs or notebooks
 
-from ..tokenizer import Tokenizer
-from .results import SystemResult
-from .workloads import QUESTIONS, Workload, _chat
+from enginelib.bench.results import SystemResult
+from enginelib.bench.workloads import QUESTIONS, Workload, _chat
+from enginelib.model.tokenizer import Tokenizer
 
 
 def load_hf(device: torch.device, dtype: torch.dtype):
@@ -24,7 +24,7 @@ def load_hf(device: torch.device, dtype: torch.dtype):
         from transformers.utils import logging as hf_logging
     except ImportError:
         return None
-    from ..weights import fetch
+    from enginelib.model.weights import fetch
 
     path = fetch()
     bars = hf_logging.is_progress_bar_enabled()

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model import Transformer
-from ..tokenizer import Tokenizer
-from ..weights import resolve
-from .results import SystemResult, _latencies
-from .workloads import QUESTIONS, BenchRequest, Workload, _chat
+from enginelib.bench.results import SystemResult, _latencies
+from enginelib.bench.workloads import QUESTIONS, BenchRequest, Workload, _chat
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
+from enginelib.model.weights import resolve
 
 NAME = "llama_cpp"
 INSTALL = ("pip install llama-cpp-python  (it compiles llama.cpp from source for several minutes; "

@@ -1,8 +1,8 @@
 """KV-cache memory: the slots a paged cache wastes against reserve-max-len, and what one budget holds."""
 from __future__ import annotations
 
-from ..block_pool import BlockPool
-from .workloads import Workload
+from enginelib.bench.workloads import Workload
+from enginelib.core.block_pool import BlockPool
 
 
 def kv_waste(wl: Workload, block_size: int, max_len: int, outputs: list[list[int]]) -> dict:

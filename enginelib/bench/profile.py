@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import Engine
+from enginelib.core.engine import Engine
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update")
 OP_KINDS = {"aten::linear": "matmuls", "aten::matmul": "matmuls", "aten::mm": "matmuls",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 
-from ..model import Transformer
-from ..tokenizer import Tokenizer
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
 
 
 def quant_effect(model: Transformer, tok: Tokenizer, quick: bool, kernel: str = "auto") -> dict:
@@ -14,7 +14,7 @@ def quant_effect(model: Transformer, tok: Tokenizer, quick: bool, kernel: str = 
     full), decode speed from :func:`quant.decode_tokens_per_second`. ``ppl_delta``
     is relative (0.006 = +0.6%). ``kernels``: what ``quantize`` chose per weight shape.
     """
-    from .. import quant
+    from enginelib.speed import quant
 
     ppl_tokens, new = (256, 8) if quick else (2048, 64)
 
@@ -47,7 +47,7 @@ def quant_effect(model: Transformer, tok: Tokenizer, quick: bool, kernel: str = 
 def int4_model(model: Transformer, kernel: str) -> tuple[Transformer, str]:
     """The GGUF's own mix (int4 layers, int8 head), with integer-product kernels (``cpp_q8``, llama.cpp's
     way) where they build, else ``kernel``; and its description."""
-    from ..quant import kernel_unavailable, quantize
+    from enginelib.speed.quant import kernel_unavailable, quantize
 
     if kernel_unavailable("cpp_q8", "int4", (32, 32), model.device) is None:
         kernel = "cpp_q8"

@@ -1,8 +1,8 @@
 """What the run prints and the ratios it derives: a table per workload and a summary of every section."""
 from __future__ import annotations
 
-from .endpoint import ENDPOINT
-from .results import SystemResult
+from enginelib.bench.endpoint import ENDPOINT
+from enginelib.bench.results import SystemResult
 
 
 def _ratios(systems: dict) -> dict:

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..checks import check_greedy, float32_reference
-from ..model import Transformer
+from enginelib.model.checks import check_greedy, float32_reference
+from enginelib.model.transformer import Transformer
 
 if TYPE_CHECKING:
-    from .workloads import Workload
+    from enginelib.bench.workloads import Workload
 
 
 @dataclass
@@ -47,7 +47,7 @@ class SystemResult:
 
 def _pct(values: list[float], q: float) -> float | None:
     """Nearest rank (:func:`loadgen.percentile`): every percentile reported is a latency that was measured."""
-    from ..loadgen import percentile  # imported when used: the loader pulls in the openai client
+    from enginelib.serve.loadgen import percentile  # imported when used: the loader pulls in the openai client
 
     return percentile(values, q)
 

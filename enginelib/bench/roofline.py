@@ -6,13 +6,13 @@ import time
 
 import torch
 
-from ..engine import Engine, EngineConfig
-from ..model import Transformer
-from ..params import SamplingParams
-from ..scheduler import SchedulerConfig
-from ..tokenizer import Tokenizer
-from .hf import _hf_single_stream
-from .workloads import QUESTIONS, _chat
+from enginelib.bench.hf import _hf_single_stream
+from enginelib.bench.workloads import QUESTIONS, _chat
+from enginelib.config import SamplingParams
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.scheduler import SchedulerConfig
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
 
 
 def _best_time(work, device: torch.device, repeats: int, min_seconds: float) -> float:

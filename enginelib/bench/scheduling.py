@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..engine import EngineConfig
-from ..model import Transformer
-from ..tokenizer import Tokenizer
-from .results import SystemResult, _check_same_tokens, _latencies, _pct
-from .systems import run_engine
-from .workloads import Workload, make_workload
+from enginelib.bench.results import SystemResult, _check_same_tokens, _latencies, _pct
+from enginelib.bench.systems import run_engine
+from enginelib.bench.workloads import Workload, make_workload
+from enginelib.core.engine import EngineConfig
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
 
 
 def prefix_cache_effect(model: Transformer, tok: Tokenizer, config: EngineConfig, quick: bool) -> dict:

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..engine import EngineConfig
-from ..model import Transformer
-from ..tokenizer import Tokenizer
-from .endpoint import run_endpoint, served_model_name
-from .results import _pct, _same_texts
-from .systems import run_engine
-from .workloads import BenchRequest, Workload, _chat
+from enginelib.bench.endpoint import run_endpoint, served_model_name
+from enginelib.bench.results import _pct, _same_texts
+from enginelib.bench.systems import run_engine
+from enginelib.bench.workloads import BenchRequest, Workload, _chat
+from enginelib.core.engine import EngineConfig
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
 
 if TYPE_CHECKING:
-    from ..serve import ServerProcess  # imported when used: the server stack is not needed offline
+    from enginelib.serve import ServerProcess  # imported when used: the server stack is not needed offline
 
 
 def serve_args(args: argparse.Namespace, device: torch.device, threads: int, config: EngineConfig,
@@ -39,11 +39,11 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
     Both get ``max_num_seqs = concurrency`` (the client keeps that many streams
     open; the offline engine runs that many at once), the same threads, and the
     workload's requests all at the start (as ``run_endpoint`` sends them). The
-    server (a started :class:`~enginelib.serve.ServerProcess`, flags from
+    server (a started :class:`~enginelib.serve.app.ServerProcess`, flags from
     :func:`serve_args`) runs in a child process, so on a small CPU the client
     competes with it for cores; that is part of what is measured.
     """
-    from ..loadgen import run_load_sync  # imported when used: it pulls in the openai client
+    from enginelib.serve.loadgen import run_load_sync  # imported when used: it pulls in the openai client
 
     flat = Workload(wl.name, [dataclasses.replace(r, arrival_step=0) for r in wl.requests], wl.ignore_eos)
     sched = dataclasses.replace(config.scheduler, max_num_seqs=concurrency)

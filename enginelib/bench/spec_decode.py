@@ -3,16 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..compiled import CompileConfig, compile_unavailable
-from ..engine import Engine, EngineConfig
-from ..model import Transformer
-from ..outputs import RequestOutput
-from ..params import SamplingParams
-from ..scheduler import SchedulerConfig
-from ..speculative import SpeculativeConfig, SpecStats, compile_draft_unavailable
-from ..tokenizer import Tokenizer
-from .results import _sync
-from .workloads import QUESTIONS, _chat, extractive_prompts
+from enginelib.bench.results import _sync
+from enginelib.bench.workloads import QUESTIONS, _chat, extractive_prompts
+from enginelib.config import SamplingParams
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.outputs import RequestOutput
+from enginelib.core.scheduler import SchedulerConfig
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
+from enginelib.speed.compiled import CompileConfig, compile_unavailable
+from enginelib.speed.speculative import SpecStats, SpeculativeConfig, compile_draft_unavailable
 
 
 def decode_seconds(token_times: list[list[float]]) -> float:

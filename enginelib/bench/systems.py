@@ -6,14 +6,14 @@ from collections.abc import Callable
 
 from tqdm import tqdm  # disable=None: bars on a terminal only, none in logs or notebooks
 
-from ..baselines import generate_static
-from ..engine import Engine, EngineConfig
-from ..model import Transformer
-from ..outputs import RequestOutput
-from ..params import SamplingParams
-from ..tokenizer import Tokenizer
-from .results import SystemResult, _latencies, _sync
-from .workloads import Workload
+from enginelib.baselines.generate import generate_static
+from enginelib.bench.results import SystemResult, _latencies, _sync
+from enginelib.bench.workloads import Workload
+from enginelib.config import SamplingParams
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.outputs import RequestOutput
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
 
 SYSTEMS = ("naive", "kv_cache", "static", "hf_static", "engine")
 

@@ -34,9 +34,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestStream
-from .outputs import StreamDelta
-from .params import SamplingParams
+from enginelib.config import SamplingParams
+from enginelib.core.outputs import StreamDelta
+from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestStream
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt this model's context can hold
 DEFAULT_MAX_WAITING = 256
@@ -427,9 +427,9 @@ def engine_config(args: argparse.Namespace) -> "EngineConfig":
     by default the served model's own file, whose Q4_1 layers make it an int4 draft (chapter 12).
     The draft loads here, after every flag has been checked and before the served model.
     """
-    from .compiled import CompileConfig
-    from .engine import EngineConfig
-    from .speculative import SpeculativeConfig
+    from enginelib.core.engine import EngineConfig
+    from enginelib.speed.compiled import CompileConfig
+    from enginelib.speed.speculative import SpeculativeConfig
 
     speculative = compile_config = None
     if args.compile or args.compile_batch_sizes:
@@ -457,7 +457,7 @@ def engine_config(args: argparse.Namespace) -> "EngineConfig":
 
 def load_draft(model: str, device: str | None) -> "Transformer":
     """A draft model for ``--speculative-config``: a GGUF's layers as stored (int4 from Q4_1, q8_0 from Q8_0)."""
-    from .quant import load_quantized
+    from enginelib.speed.quant import load_quantized
 
     try:
         return load_quantized(model, device=device, progress=False)[0]
@@ -468,9 +468,9 @@ def load_draft(model: str, device: str | None) -> "Transformer":
 def make_engine(args: argparse.Namespace) -> AsyncEngine:
     import torch
 
-    from .device import DTYPES
-    from .engine import Engine
-    from .weights import load_model
+    from enginelib.core.engine import Engine
+    from enginelib.model.device import DTYPES
+    from enginelib.model.weights import load_model
 
     dtype = DTYPES[args.dtype] if args.dtype else None
     config = engine_config(args)  # first: a bad flag fails before the model loads
@@ -528,7 +528,7 @@ class ServerProcess:
 
     def launch(self) -> "ServerProcess":
         """Start the child process and return at once (it loads its model meanwhile); see :meth:`wait_ready`."""
-        cmd = [sys.executable, "-m", "enginelib.serve", "--port", str(self.port), "--parent-pid", str(os.getpid()),
+        cmd = [sys.executable, "-m", "enginelib.serve.app", "--port", str(self.port), "--parent-pid", str(os.getpid()),
                *self.args]
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe nobody reads would stall the server
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
@@ -579,6 +579,3 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-if __name__ == "__main__":
-    main()

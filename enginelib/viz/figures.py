@@ -20,8 +20,8 @@ from matplotlib.colors import ListedColormap, to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from .baselines import StaticBatchRun
-from .engine import StepRecord
+from enginelib.baselines.generate import StaticBatchRun
+from enginelib.core.engine import StepRecord
 
 # One colour per request state, shared by every timeline in the book.
 STATE_COLORS = {
@@ -462,12 +462,3 @@ def plot_budget_tradeoff(budgets: Sequence[int], ttft: Sequence[float], tpot_p99
 
 def _order(request_id: str) -> tuple[int, str]:
     return (int(request_id), "") if request_id.isdigit() else (1 << 30, request_id)
-
-
-def __getattr__(name: str):
-    """``viz.EngineExplorer`` still works: it lives in ``explorer`` (which imports this module)."""
-    if name == "EngineExplorer":
-        from .explorer import EngineExplorer
-
-        return EngineExplorer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .params import SamplingParams, finish_reason  # noqa: F401  (re-exported: Part I imports them from here)
+from enginelib.config import SamplingParams, finish_reason  # noqa: F401  (re-exported: Part I imports them from here)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -22,10 +22,10 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool
-from .kv_manager import KVCacheManager
-from .params import finish_reason
-from .request import Request, RequestStatus
+from enginelib.config import finish_reason
+from enginelib.core.block_pool import BlockPool
+from enginelib.core.kv_manager import KVCacheManager
+from enginelib.core.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

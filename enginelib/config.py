@@ -1,7 +1,7 @@
 """What a request asks for, and when it is done: plain data, no torch.
 
 The scheduling side (requests, scheduler, KV-cache manager) imports this and
-not :mod:`enginelib.sampling`, which holds the tensor code, as vLLM keeps
+not :mod:`enginelib.model.sampling`, which holds the tensor code, as vLLM keeps
 ``sampling_params.py`` apart from its sampler.
 """
 from __future__ import annotations

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .device import can_pack, default_dtype, pack_linears, pick_device
-from .model import ModelConfig, Transformer
-from .tokenizer import Tokenizer
+from enginelib.model.device import can_pack, default_dtype, pack_linears, pick_device
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import ModelConfig, Transformer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -292,5 +292,5 @@ def load_model(model: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.
     return net, tokenizer
 
 
-if __name__ == "__main__":  # python -m enginelib.weights [name]: fetch a known model, print its path
+if __name__ == "__main__":  # python -m enginelib.model.weights [name]: fetch a known model, print its path
     print(fetch(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL))

@@ -3,7 +3,7 @@
 Requests can be added at any time, also while others decode: each step the
 scheduler sees them. That is continuous batching. With a speculative config,
 each step first asks a proposer for guesses, and a decode verifies them in the
-same forward pass (:mod:`enginelib.speculative`).
+same forward pass (:mod:`enginelib.speed.speculative`).
 """
 from __future__ import annotations
 
@@ -17,21 +17,28 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch.profiler import record_function
 
-from . import cpu_kernels
-from .batch import Batch, SequenceWork
-from .block_pool import BlockPool, PoolStats
-from .compiled import CompileConfig, CompiledDecoder, CompileReport, compile_unavailable
-from .device import free_gpu_memory
-from .kv_cache import PagedKVCache
-from .kv_manager import KVCacheManager, PrefixCacheStats
-from .model import Transformer
-from .outputs import CompletionOutput, DeltaCursor, RequestMetrics, RequestOutput, StreamDelta
-from .params import SamplingParams, check_request, stop_hold_back
-from .request import Request, RequestStatus
-from .sampling import make_generator, sample
-from .scheduler import ScheduledWork, Scheduler, SchedulerConfig, SchedulerOutput
-from .speculative import Proposer, SpecStats, SpeculativeConfig, accept_greedy, make_proposer, rejection_sample
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from enginelib.config import SamplingParams, check_request, stop_hold_back
+from enginelib.core.batch import Batch, SequenceWork
+from enginelib.core.block_pool import BlockPool, PoolStats
+from enginelib.core.kv_manager import KVCacheManager, PrefixCacheStats
+from enginelib.core.outputs import CompletionOutput, DeltaCursor, RequestMetrics, RequestOutput, StreamDelta
+from enginelib.core.paged_cache import PagedKVCache
+from enginelib.core.request import Request, RequestStatus
+from enginelib.core.scheduler import ScheduledWork, Scheduler, SchedulerConfig, SchedulerOutput
+from enginelib.model.device import free_gpu_memory
+from enginelib.model.sampling import make_generator, sample
+from enginelib.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from enginelib.model.transformer import Transformer
+from enginelib.speed import cpu_kernels
+from enginelib.speed.compiled import CompileConfig, CompiledDecoder, CompileReport, compile_unavailable
+from enginelib.speed.speculative import (
+    Proposer,
+    SpecStats,
+    SpeculativeConfig,
+    accept_greedy,
+    make_proposer,
+    rejection_sample,
+)
 
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20  # bytes of K/V on a CPU when nothing else is said
 KEEP_FINISHED = 1024  # finished requests kept for engine.request(); nothing walks them per step
@@ -272,7 +279,7 @@ class Engine:
 
     def _run_model(self, plan: SchedulerOutput) -> list[int | list[int]]:
         """Compute the step's tokens: one sampled token per work that ``samples``, or a verified run for a
-        work with guesses (see :mod:`enginelib.speculative`)."""
+        work with guesses (see :mod:`enginelib.speed.speculative`)."""
         with record_function("prepare"):
             seqs = [SequenceWork(w.request.token_slice(w.start, w.start + w.num_tokens - len(w.draft_token_ids))
                                  + w.draft_token_ids, w.start, w.request.block_table, w.samples, len(w.draft_token_ids))

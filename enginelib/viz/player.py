@@ -35,8 +35,16 @@ from typing import Any
 
 from matplotlib.colors import to_hex
 
-from .engine import StepRecord
-from .viz import STATE_COLORS, STATE_LABELS, busiest_frame, ink_for, request_color, request_state, sort_ids
+from enginelib.core.engine import StepRecord
+from enginelib.viz.figures import (
+    STATE_COLORS,
+    STATE_LABELS,
+    busiest_frame,
+    ink_for,
+    request_color,
+    request_state,
+    sort_ids,
+)
 
 FREE_FILL, FREE_EDGE, DARK = "#f2f2f2", "#c4c4c4", "#222222"
 CACHED_FILL, CACHED_EDGE, CACHED_DASH = "#cfcfcf", "#555555", "4 2"  # free, but holding a cached block

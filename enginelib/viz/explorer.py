@@ -14,9 +14,9 @@ import io
 
 import matplotlib.pyplot as plt
 
-from .engine import Engine
-from .sampling import SamplingParams
-from .viz import busiest_frame, plot_engine_step
+from enginelib.core.engine import Engine
+from enginelib.model.sampling import SamplingParams
+from enginelib.viz.figures import busiest_frame, plot_engine_step
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 

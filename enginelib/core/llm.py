@@ -6,12 +6,12 @@ import os
 import torch
 from tqdm.auto import tqdm
 
-from .engine import Engine, EngineConfig
-from .model import Transformer
-from .outputs import RequestOutput
-from .params import SamplingParams
-from .tokenizer import Tokenizer
-from .weights import DEFAULT_MODEL, load_model
+from enginelib.config import SamplingParams
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.outputs import RequestOutput
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
+from enginelib.model.weights import DEFAULT_MODEL, load_model
 
 Prompt = str | list[int]
 

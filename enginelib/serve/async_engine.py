@@ -11,7 +11,7 @@ steps, and the event loop never waits for the model.
         print(delta.text, end="")
 
 Shaped like vLLM's ``AsyncLLM.generate``, but yielding deltas: what is new since
-the last one (:class:`~enginelib.outputs.StreamDelta`).
+the last one (:class:`~enginelib.core.outputs.StreamDelta`).
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from .device import set_threads
-from .engine import Engine, EngineStats
-from .outputs import DeltaCursor, RequestOutput, StreamDelta
-from .params import SamplingParams, stop_hold_back
+from enginelib.config import SamplingParams, stop_hold_back
+from enginelib.core.engine import Engine, EngineStats
+from enginelib.core.outputs import DeltaCursor, RequestOutput, StreamDelta
+from enginelib.model.device import set_threads
 
 log = logging.getLogger(__name__)
 

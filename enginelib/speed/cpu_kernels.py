@@ -59,6 +59,8 @@ from types import ModuleType
 
 import torch
 
+from enginelib.core.paged_cache import check_tables
+
 SOURCE = r"""
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -826,7 +828,7 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     """Where the build lives: a new folder whenever the source, flags, torch or the CPU change."""
-    from .weights import cache_dir
+    from enginelib.model.weights import cache_dir
 
     key = "\n".join([SOURCE, " ".join(CFLAGS), torch.__version__, _cpu_flags()])
     return (CACHE or cache_dir() / "kernels") / hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -959,19 +961,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise RuntimeError(message)
-
-
-def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
-    """What :func:`decode_attention` reads through: every sequence has 0 (padding) to (its table's) keys,
-    and the blocks holding them are in the pool. Checked in Python for the reason :func:`_ready` gives."""
-    width = block_tables.shape[1]
-    bad = ((context_lens < 0) | (context_lens > width * block_size)).nonzero()
-    if len(bad):
-        s = int(bad[0])
-        raise RuntimeError(f"sequence {s} has {int(context_lens[s])} keys; its table holds {width * block_size}")
-    used = block_tables[torch.arange(width) < ((context_lens + block_size - 1) // block_size)[:, None]]
-    outside = used[(used < 0) | (used >= num_blocks)]
-    _check(len(outside) == 0, f"block {int(outside[0]) if len(outside) else 0} is outside the pool of {num_blocks}")
 
 
 def _ready(x: torch.Tensor, k: int, weight_ok: bool, weight_shape: str) -> torch.Tensor:

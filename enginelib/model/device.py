@@ -24,7 +24,7 @@ def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
 
     A 135M model in float32 fits a T4 easily and keeps greedy tokens exactly
     equal across batch shapes, which the chapters check; float16 does not keep
-    every argmax (see :mod:`enginelib.checks`) and is the quantization chapter's
+    every argmax (see :mod:`enginelib.model.checks`) and is the quantization chapter's
     subject. The variable runs the tests or any chapter in another dtype, also on
     a CPU, so the code a GPU would run in float16 is exercised everywhere.
     ``device`` is accepted so that a per-device choice can come back without

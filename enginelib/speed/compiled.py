@@ -17,7 +17,7 @@ itself: the bucket fixes the shapes that dynamo's guards would check on every ca
 
 Attention is the one part the compiler must not see inside: which blocks a
 sequence reads changes every step. On a CPU in float32 it is our C++ decode
-kernel (:func:`enginelib.cpu_kernels.decode_attention`: it writes the new K/V and
+kernel (:func:`enginelib.speed.cpu_kernels.decode_attention`: it writes the new K/V and
 reads keys through the block tables), called by the compiled code itself: the
 block tables, the context lengths and the cache's pools are inputs of the graph,
 the tables padded to a fixed width and padding rows given no keys, so one graph
@@ -46,11 +46,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .batch import Batch, SequenceWork
-from .device import unpack_linears
-from .kv_cache import PagedKVCache
-from .model import Transformer
+from enginelib.core.batch import Batch, SequenceWork
+from enginelib.core.paged_cache import PagedKVCache, check_tables
+from enginelib.model.device import unpack_linears
+from enginelib.model.transformer import Transformer
+from enginelib.speed import cpu_kernels
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -369,7 +369,7 @@ class CompiledDecoder:
             token_ids, positions = F.pad(token_ids, (0, pad)), F.pad(positions, (0, pad))
         if self.fused_attention:
             # checked once for the step's 30 attention calls, then padded: the graph's shapes are fixed
-            cpu_kernels.check_tables(batch.block_tables, batch.context_lens, cache.num_blocks, cache.block_size)
+            check_tables(batch.block_tables, batch.context_lens, cache.num_blocks, cache.block_size)
             rows, lens = batch.block_tables, batch.context_lens
             if batch.num_tokens != batch.num_seqs:  # guesses to verify: a row per token, keys up to its own
                 rows = rows.repeat_interleave(torch.tensor(batch.query_lens, device=rows.device), dim=0)

@@ -33,7 +33,7 @@ class Batch:
     context_lens: torch.Tensor  # [S] tokens each sequence has in the cache after this step
     query_lens: list[int]       # [S] new tokens per sequence
     logits_indices: torch.Tensor  # [R] row of the last new token of each sequence that samples: only these get logits
-    #                               (a sequence verifying k guesses gets k + 1 rows, see enginelib.speculative)
+    #                               (a sequence verifying k guesses gets k + 1 rows, see enginelib.speed.speculative)
 
     @property
     def num_tokens(self) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .outputs import RequestMetrics
-from .params import SamplingParams
+from enginelib.config import SamplingParams
+from enginelib.core.outputs import RequestMetrics
 
 
 class RequestStatus(str, Enum):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import Transformer
+from enginelib.model.transformer import Transformer
 
 NEAR_TIE_MARGIN = 0.25  # logits below the float32 best within which an argmax may flip in float16: see the docstring
 

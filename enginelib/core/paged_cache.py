@@ -1,9 +1,6 @@
-"""KV caches: where attention keeps the keys and values of tokens it has seen.
-
-Part I uses :class:`ContiguousKVCache`: one slab of ``max_len`` slots per
-sequence, reserved up front whether or not the sequence ever uses them.
-Part II uses :class:`PagedKVCache`: a pool of fixed-size blocks that
-sequences take one at a time, found again through their block tables.
+"""The paged KV cache (chapter 5): a pool of fixed-size blocks that sequences take one at a
+time, found again through their block tables. Attention reads the keys and values through
+those tables. (Part I's contiguous cache is :mod:`enginelib.baselines.kv_cache`.)
 """
 from __future__ import annotations
 
@@ -11,70 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_kernels
-from .batch import Batch, to_device
-from .model import ModelConfig, attention, attention_mask
+from enginelib.core.batch import Batch, to_device
+from enginelib.model.transformer import ModelConfig, attention, attention_mask
 
-
-class ContiguousKVCache:
-    """K/V for a batch of sequences, each in its own preallocated row of ``max_len`` slots.
-
-    Sequences are left-padded so that they all end at the same column: row ``b``
-    holds ``pad[b]`` padding slots, then its tokens. Padding slots are never
-    attended to, and positions count from each row's first real token.
-    """
-
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 pad: list[int] | None = None) -> None:
-        shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_len = max_len
-        self.length = 0  # columns filled so far, the same for every row
-        self.pad = torch.tensor(pad or [0] * batch_size, device=device)
-        self._mask: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def positions(self, num_tokens: int) -> torch.Tensor:
-        """Positions of the next ``num_tokens`` columns, per row: [B, T]."""
-        cols = torch.arange(self.length, self.length + num_tokens, device=self.pad.device)
-        return (cols[None, :] - self.pad[:, None]).clamp(min=0)
-
-    def _build_mask(self, num_tokens: int) -> torch.Tensor | None:
-        """[B, 1, T, S]: a query sees earlier columns that are not padding (and itself)."""
-        end = self.length + num_tokens
-        if num_tokens == 1 and not bool(self.pad.any()):
-            return None  # one new token, no padding: it may see everything
-        q_cols = torch.arange(self.length, end, device=self.pad.device)[:, None]
-        k_cols = torch.arange(end, device=self.pad.device)[None, :]
-        causal = k_cols <= q_cols
-        real = k_cols[None] >= self.pad[:, None, None]
-        # A padding query still sees itself, so no row of the softmax is empty (no NaN).
-        return ((causal[None] & real) | (k_cols == q_cols)[None])[:, None]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store this step's K/V in the next columns, then attend over all filled columns."""
-        t = q.shape[1]
-        end = self.length + t
-        if end > self.max_len:
-            raise ValueError(f"KV cache is full: {end} tokens do not fit in max_len={self.max_len}")
-        if layer == 0:  # one additive mask per step, shared by every layer
-            allowed = self._build_mask(t)
-            groups = q.shape[2] // k.shape[2]
-            self._mask = None if allowed is None else attention_mask(allowed, groups, q.dtype)
-        self.k[layer, :, self.length:end] = k
-        self.v[layer, :, self.length:end] = v
-        return attention(q, self.k[layer, :, :end], self.v[layer, :, :end], self._mask)
-
-    def advance(self, num_tokens: int) -> None:
-        self.length += num_tokens
-
-
-# --- Part II: the paged KV cache --------------------------------------------------------
 
 @dataclass
 class _AttentionGroup:
@@ -140,6 +76,21 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     return out.flatten(0, 1) if group.whole else out.flatten(0, 1).index_select(0, group.take)
 
 
+def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """What a kernel that reads K/V through block tables trusts: every sequence has 0 (padding) to (its
+    table's) keys, and the blocks holding them are in the pool. Checked in Python, where an error is an
+    exception (one thrown in C++ must cross torch's dispatcher, which crashed a process on one machine)."""
+    width = block_tables.shape[1]
+    bad = ((context_lens < 0) | (context_lens > width * block_size)).nonzero()
+    if len(bad):
+        s = int(bad[0])
+        raise RuntimeError(f"sequence {s} has {int(context_lens[s])} keys; its table holds {width * block_size}")
+    used = block_tables[torch.arange(width) < ((context_lens + block_size - 1) // block_size)[:, None]]
+    outside = used[(used < 0) | (used >= num_blocks)]
+    if len(outside):
+        raise RuntimeError(f"block {int(outside[0])} is outside the pool of {num_blocks}")
+
+
 class PagedKVCache:
     """K/V for every layer in fixed-size blocks: ``[layers, num_blocks, block_size, KV, D]``.
 
@@ -178,7 +129,7 @@ class PagedKVCache:
         self.batch = batch
         self._fused = self.decode_kernel and batch.num_tokens == batch.num_seqs
         if self._fused:  # the tables checked once for the step's layers (the kernel trusts them)
-            cpu_kernels.check_tables(batch.block_tables, batch.context_lens, self.num_blocks, self.block_size)
+            check_tables(batch.block_tables, batch.context_lens, self.num_blocks, self.block_size)
             self._groups = []
         else:
             self._groups = _attention_groups(batch, self.block_size, self.num_groups, self.k.dtype)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .block_pool import BlockPool
-from .request import Request
+from enginelib.core.block_pool import BlockPool
+from enginelib.core.request import Request
 
 ROOT_HASH = 0  # the "parent" of a sequence's first block
 

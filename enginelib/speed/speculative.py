@@ -25,13 +25,13 @@ from typing import Protocol
 
 import torch
 
-from . import cpu_kernels
-from .batch import Batch, SequenceWork
-from .compiled import CompileConfig, CompiledDecoder, compile_unavailable
-from .kv_cache import ContiguousKVCache
-from .params import SamplingParams
-from .model import Transformer
-from .sampling import filter_logits
+from enginelib.baselines.kv_cache import ContiguousKVCache
+from enginelib.config import SamplingParams
+from enginelib.core.batch import Batch, SequenceWork
+from enginelib.model.sampling import filter_logits
+from enginelib.model.transformer import Transformer
+from enginelib.speed import cpu_kernels
+from enginelib.speed.compiled import CompileConfig, CompiledDecoder, compile_unavailable
 
 METHODS = ("ngram", "draft")
 

@@ -10,7 +10,7 @@ them in fewer bytes is the main lever. Each format here has two parts:
   dequantizes and calls ``F.linear``: the few lines a chapter writes by hand, and
   the oracle every faster kernel is compared with. The others are library ops
   (torch's weight-only int8/int4 matmuls, fbgemm's int8 GEMM) and our own C++
-  loops (``cpp``, ``cpp_q8``, :mod:`enginelib.cpu_kernels`), whose speed depends on the
+  loops (``cpp``, ``cpp_q8``, :mod:`enginelib.speed.cpu_kernels`), whose speed depends on the
   device and the shape, so ``kernel="auto"`` *measures* them on
   each distinct weight shape and keeps the fastest that matches the reference
   (fastest: least time per token at batch 1 plus per token at batch 32).
@@ -31,7 +31,7 @@ On an AVX2 CPU without VNNI (torch 2.13), torch's weight-only int8/int4 ops are
 slower than float32's matmul, and fbgemm's fast int8 GEMM, which also rounds the
 activations to 8 bits, errs by several percent on this model's real activations
 (outlier channels) and loses its perplexity: ``auto`` rejects it. So the
-``cpp`` kernel is our own (:mod:`enginelib.cpu_kernels`, built on first use with
+``cpp`` kernel is our own (:mod:`enginelib.speed.cpu_kernels`, built on first use with
 the machine's C++ compiler): one fused loop that reads the int8/int4 bytes,
 dequantizes them in vector registers and multiply-adds in float32. Its twin
 ``cpp_q8`` also rounds the activations, per group of 32, to int8 (one scale per
@@ -55,11 +55,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
-from .device import pick_device
-from .model import Transformer
-from .tokenizer import Tokenizer
-from .weights import DEFAULT_MODEL, StoredTensor, read_gguf, resolve
+from enginelib.model.device import pick_device
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
+from enginelib.model.weights import DEFAULT_MODEL, StoredTensor, read_gguf, resolve
+from enginelib.speed import cpu_kernels
 
 FORMATS = ("int8", "int4", "q8_0", "float16", "bfloat16")
 GROUP_SIZE = 32  # int4: weights per (scale, minimum) pair, as GGUF's Q4_1
@@ -380,7 +380,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("int4pack", ("int4",), ("cpu",), _int4pack_prepare, _int4pack_run, _int4pack_unprepare,
            doc="torch._weight_int4pack_mm_for_cpu: weight-only int4, groups of 32"),
     Kernel("cpp", ("int8", "int4"), ("cpu",), _same, _cpp_run, _same,
-           doc="enginelib.cpu_kernels: our C++ loop, codes dequantized in AVX2 registers, float32 accumulation"),
+           doc="enginelib.speed.cpu_kernels: our C++ loop, codes dequantized in AVX2 registers, float32 accumulation"),
     Kernel("cpp_q8", ("int8", "int4", "q8_0"), ("cpu",), _interleave, _cpp_q8_run, _deinterleave, exact=False,
            doc="our C++ loop with activations rounded to int8 per group of 32 and integer products (llama.cpp's way), "
                "weights interleaved in blocks of 4 rows"),
@@ -783,8 +783,8 @@ class GreedyAgreement:
 def greedy_agreement(reference_model: Transformer, model: Transformer, tokenizer, prompts: list[str | list[int]],
                      max_tokens: int = 32) -> GreedyAgreement:
     """Greedy-decode each prompt with both models (Part I's cached generator); see :class:`GreedyAgreement`."""
-    from .baselines import generate_cached
-    from .params import SamplingParams
+    from enginelib.baselines.generate import generate_cached
+    from enginelib.config import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     matched, lengths = [], []
@@ -848,8 +848,8 @@ def format_row(name: str, model: Transformer, tokenizer, text: str | None = None
 def decode_tokens_per_second(model: Transformer, tokenizer, prompt: str = "Once upon a time",
                              max_tokens: int = 32) -> float:
     """Single-stream greedy decode speed: tokens after the first, divided by the time they took."""
-    from .baselines import generate_cached
-    from .params import SamplingParams
+    from enginelib.baselines.generate import generate_cached
+    from enginelib.config import SamplingParams
 
     gen = generate_cached(model, tokenizer.encode(prompt), SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                          ignore_eos=True))

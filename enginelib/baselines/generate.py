@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import ContiguousKVCache
-from .model import Transformer
-from .params import SamplingParams, finish_reason
-from .params import check_request as validate
-from .sampling import make_generator, sample
+from enginelib.baselines.kv_cache import ContiguousKVCache
+from enginelib.config import SamplingParams, finish_reason
+from enginelib.config import check_request as validate
+from enginelib.model.sampling import make_generator, sample
+from enginelib.model.transformer import Transformer
 
 
 @dataclass
