@@ -40,15 +40,15 @@ def test_compiled_decode_gives_the_eager_tokens_on_the_real_model(real, agree):
     prompts = [chat_ids(tok, q) for q in ("What is a KV cache?", "Name three colours.")]
     lengths = [12, 7]  # two sequences, then one padded up to the one bucket
     engine = Engine(model, tok, EngineConfig(compile=CompileConfig(batch_sizes=(2,))))
-    assert set(engine.compile_report.seconds) == {2} and engine.compile_report.total_seconds > 0
+    assert set(engine.runner.compile_report.seconds) == {2} and engine.runner.compile_report.total_seconds > 0
     # on a CPU in float32 attention runs in our C++ decode kernel (the oracle below is the eager SDPA path)
-    assert engine.compiled.fused_attention == (DEVICE.type == "cpu" and model.dtype == torch.float32)
+    assert engine.runner.compiled.fused_attention == (DEVICE.type == "cpu" and model.dtype == torch.float32)
     got = _run(engine, prompts, lengths)
     expected = _run(Engine(model, tok), prompts, lengths)
     agree(model, prompts, got, expected)
-    assert engine.compiled.calls[2] == max(lengths) - 1  # every decode step, none eager
+    assert engine.runner.compiled.calls[2] == max(lengths) - 1  # every decode step, none eager
     # on a CPU, once traced, the graph is called without dynamo (the same tokens, as checked above)
-    assert (engine.compiled.direct.get(2) is not None) == (DEVICE.type == "cpu")
+    assert (engine.runner.compiled.direct.get(2) is not None) == (DEVICE.type == "cpu")
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda" or compile_unavailable(DEVICE) is not None,
@@ -58,11 +58,11 @@ def test_cuda_graphs_replay_between_the_attention_calls(real, agree):
     prompts = [chat_ids(tok, q) for q in ("What is a KV cache?", "Name three colours.", "Why is the sky blue?")]
     lengths = [14, 9, 5]  # three sequences in the bucket of 4, then two, then one
     engine = Engine(model, tok, EngineConfig(compile=CompileConfig(batch_sizes=(1, 2, 4), mode="reduce-overhead")))
-    assert engine.compiled.cuda_graphs
+    assert engine.runner.compiled.cuda_graphs
     got = _run(engine, prompts, lengths)
     expected = _run(Engine(model, tok), prompts, lengths)
     agree(model, prompts, got, expected)
-    assert sum(engine.compiled.calls.values()) == max(lengths) - 1
+    assert sum(engine.runner.compiled.calls.values()) == max(lengths) - 1
 
 
 @needs_compiler
@@ -73,10 +73,10 @@ def test_buckets_pad_up_and_bigger_batches_run_eagerly(tiny_dt):
     engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=64, compile=CompileConfig(batch_sizes=(1, 2, 4))))
     got = _run(engine, prompts, lengths)
     assert got == _run(Engine(tiny_dt, tok, EngineConfig(num_blocks=64)), prompts, lengths)
-    assert engine.compiled.calls[4] >= 2 and engine.compiled.calls[2] >= 1 and engine.compiled.calls[1] >= 1
+    assert engine.runner.compiled.calls[4] >= 2 and engine.runner.compiled.calls[2] >= 1 and engine.runner.compiled.calls[1] >= 1
     if DEVICE.type == "cpu":  # every bucket's graph called directly once traced, padding rows and all
-        assert all(engine.compiled.direct.get(b) is not None for b in (1, 2, 4))
-    assert engine.compiled.bucket(3) == 4 and engine.compiled.bucket(5) is None
+        assert all(engine.runner.compiled.direct.get(b) is not None for b in (1, 2, 4))
+    assert engine.runner.compiled.bucket(3) == 4 and engine.runner.compiled.bucket(5) is None
 
 
 @needs_compiler
@@ -89,7 +89,7 @@ def test_the_cpp_wrapper_gives_the_eager_tokens(tiny):
     config = CompileConfig(batch_sizes=(4,), cpp_wrapper=True, freeze=True)
     engine = Engine(tiny, tok, EngineConfig(num_blocks=32, compile=config))
     assert _run(engine, prompts, lengths) == _run(Engine(tiny, tok, EngineConfig(num_blocks=32)), prompts, lengths)
-    assert engine.compiled.calls[4] == max(lengths) - 1 and engine.compiled.direct[4] is not None
+    assert engine.runner.compiled.calls[4] == max(lengths) - 1 and engine.runner.compiled.direct[4] is not None
 
 
 @needs_compiler
@@ -131,11 +131,11 @@ def test_speculation_verifies_in_the_compiled_graphs(tiny_dt):
                                                compile=CompileConfig(batch_sizes=(1, 2, 4, 8))))
     got = _run(engine, prompts, [10, 12, 9])
     assert got == _run(Engine(tiny_dt, tok, EngineConfig(num_blocks=64)), prompts, [10, 12, 9])
-    assert engine.spec_stats.proposed > 0 and engine.spec_stats.accepted > 0
+    assert engine.runner.spec_stats.proposed > 0 and engine.runner.spec_stats.accepted > 0
     # a sequence verifying 3 guesses has 4 rows: bucket 4, or 8 beside other sequences (3 decoding alone: 4)
-    assert engine.compiled.calls[8] > 0 and engine.compiled.calls[4] > 0
+    assert engine.runner.compiled.calls[8] > 0 and engine.runner.compiled.calls[4] > 0
     # every step after the prefill ran compiled: nothing bigger than 8 rows, nothing but sampled rows
-    assert sum(engine.compiled.calls.values()) == engine.steps - 1
+    assert sum(engine.runner.compiled.calls.values()) == engine.steps - 1
 
 
 def test_no_compiler_falls_back_to_eager_with_the_fix_named(tiny_dt, monkeypatch):
@@ -145,7 +145,7 @@ def test_no_compiler_falls_back_to_eager_with_the_fix_named(tiny_dt, monkeypatch
     tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
     with pytest.warns(RuntimeWarning, match="C\\+\\+ compiler.*apt-get install g\\+\\+.*runs eagerly"):
         engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=32, compile=CompileConfig()))
-    assert engine.compiled is None and engine.compile_report is None
+    assert engine.runner.compiled is None and engine.runner.compile_report is None
     assert _run(engine, [[1, 2, 3]], [4]) == _run(Engine(tiny_dt, tok, EngineConfig(num_blocks=32)), [[1, 2, 3]], [4])
     with pytest.raises(ValueError, match="C\\+\\+ compiler"):
         Engine(tiny_dt, tok, EngineConfig(num_blocks=32, compile=CompileConfig(fallback=False)))
@@ -186,6 +186,6 @@ def test_a_failed_compile_falls_back_or_raises(tiny_dt, monkeypatch):
     tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
     with pytest.warns(RuntimeWarning, match="torch.compile failed.*boom.*runs eagerly"):
         engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=32, compile=CompileConfig()))
-    assert engine.compiled is None and _run(engine, [[1, 2, 3]], [3])
+    assert engine.runner.compiled is None and _run(engine, [[1, 2, 3]], [3])
     with pytest.raises(ValueError, match="torch.compile failed.*fallback=True"):
         Engine(tiny_dt, tok, EngineConfig(num_blocks=32, compile=CompileConfig(fallback=False)))

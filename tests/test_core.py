@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import ast
 import math
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -11,7 +13,8 @@ import torch
 
 import enginelib
 from enginelib.config import SamplingParams
-from enginelib.core.engine import KEEP_FINISHED, Engine, EngineConfig
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.core.output_processor import KEEP_FINISHED
 from enginelib.core.scheduler import SchedulerConfig
 from enginelib.model.sampling import filter_logits
 from enginelib.model.tokenizer import IncrementalDetokenizer
@@ -19,11 +22,12 @@ from enginelib.model.tokenizer import IncrementalDetokenizer
 from .conftest import tiny_tokenizer
 
 PACKAGE = Path(enginelib.__file__).parent
-SCHEDULING_SIDE = ["params", "request", "outputs", "block_pool", "kv_manager", "scheduler"]
+SCHEDULING_SIDE = ["config", "core.request", "core.outputs", "core.block_pool", "core.kv_manager", "core.scheduler"]
+CORE = ["config", "core", "model"]  # what the engine core may import from enginelib
 
 
 def _imports(module: str) -> set[str]:
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    tree = ast.parse((PACKAGE / f"{module.replace('.', '/')}.py").read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -35,11 +39,60 @@ def _imports(module: str) -> set[str]:
 
 @pytest.mark.parametrize("module", SCHEDULING_SIDE)
 def test_the_scheduling_side_imports_no_torch(module):
-    """Requests, blocks and scheduling are plain data: no torch, and only modules of the same side."""
+    """Configs, requests, blocks and scheduling are plain data: no torch, and only modules of the same side."""
     for name in _imports(module):
-        assert not name.startswith("torch"), f"{module}.py imports {name}"
-        if name.startswith("."):
-            assert name[1:] in SCHEDULING_SIDE, f"{module}.py imports {name}, which is not torch-free"
+        assert not name.startswith(("torch", ".")), f"{module}.py imports {name}"
+        if name.startswith("enginelib.") and name != "enginelib.model.transformer":  # a type hint, under TYPE_CHECKING
+            assert name.removeprefix("enginelib.") in SCHEDULING_SIDE, f"{module}.py imports {name}"
+
+
+@pytest.mark.parametrize("module", sorted(p.stem for p in (PACKAGE / "core").glob("*.py")))
+def test_the_core_imports_nothing_above_it_at_module_level(module):
+    """No arrow from the core up to the speed code, serving, pictures or benchmark (the runner imports the
+    speed code inside the functions that need it, when a config asks)."""
+    tree = ast.parse((PACKAGE / "core" / f"{module}.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("enginelib"):
+            layer = node.module.split(".")[1] if "." in node.module else ""
+            assert layer in CORE, f"core/{module}.py imports {node.module} at module level"
+
+
+def _loaded_after(code: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return [m for m in out if m.startswith("enginelib.")]
+
+
+def test_a_plain_engine_loads_no_speed_code():
+    loaded = _loaded_after("import enginelib, enginelib.core.engine")
+    assert "enginelib.core.engine" in loaded
+    assert not [m for m in loaded if m.startswith(("enginelib.speed", "enginelib.serve", "enginelib.viz",
+                                                   "enginelib.bench"))], loaded
+    configs = _loaded_after("import enginelib.config")
+    assert "torch" not in " ".join(configs) and "enginelib.config" in configs
+
+
+def test_the_runner_loads_the_speed_code_a_config_asks_for():
+    code = ("import torch, enginelib\n"
+            "from enginelib.model import ModelConfig, Transformer\n"
+            "from tests.conftest import tiny_tokenizer\n"
+            "model = Transformer(ModelConfig.tiny())\n"
+            "engine = enginelib.Engine(model, tiny_tokenizer(model.cfg.vocab_size), enginelib.EngineConfig("
+            "num_blocks=8, speculative=enginelib.SpeculativeConfig()))")
+    loaded = _loaded_after(code)
+    assert "enginelib.speed.speculative" in loaded
+
+
+def test_engine_stats_are_a_copy(tiny_dt):
+    engine = Engine(tiny_dt, tiny_tokenizer(tiny_dt.cfg.vocab_size), EngineConfig(num_blocks=32, block_size=4))
+    before = engine.stats()
+    engine.add_request([3, 4, 5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = engine.stats()
+    assert (before.steps, before.generated_tokens, before.prefix_cache.lookups) == (0, 0, 0)
+    assert after.generated_tokens == 3 and after.prefix_cache.lookups == 1
+    assert after.prefix_cache is not engine.kv.stats and after.spec_decode is not engine.runner.spec_stats
 
 
 @pytest.mark.parametrize("text", [
@@ -89,7 +142,7 @@ def test_metrics_are_consistent_and_blocks_come_back(tiny_dt):
 
 
 def test_the_engine_forgets_finished_requests_but_keeps_counting(tiny_dt, monkeypatch):
-    monkeypatch.setattr("enginelib.core.engine.KEEP_FINISHED", 2)
+    monkeypatch.setattr("enginelib.core.output_processor.KEEP_FINISHED", 2)
     tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
     engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=32, block_size=4, record=True))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -97,7 +150,7 @@ def test_the_engine_forgets_finished_requests_but_keeps_counting(tiny_dt, monkey
         engine.add_request([5, 6, 7 + i], params)
         while engine.has_unfinished_requests():
             engine.step()
-    assert not engine._live and len(engine._finished) == 2  # only the last two are kept for engine.request()
+    assert not engine.output.live and len(engine.output.finished) == 2  # only the last two are kept for engine.request()
     assert engine.request("3").output_token_ids and engine.stats().finished == 4
     with pytest.raises(ValueError, match="finished more than"):
         engine.request("0")

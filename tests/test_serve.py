@@ -27,6 +27,8 @@ from enginelib.core.scheduler import SchedulerConfig
 from enginelib.serve import ServerProcess
 from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 
+from .test_stop_strings import ending_in_token
+
 MODEL = "smollm2-135m"
 PROMPTS = [f"Here is fact number {i} about the {w}:" for i, w in
            enumerate(["sea", "moon", "forest", "desert", "city", "river", "mountain", "sky"] * 8)]
@@ -131,6 +133,26 @@ def test_stop_strings(client, offline):
     streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
+
+
+def test_stop_string_edges_as_offline(client, offline, real):
+    """Completed by the token that reaches max_tokens: "stop" and cut, streamed or not; and kept in the
+    text with vLLM's include_stop_str_in_output."""
+    tok = real[1]
+    prompt = "Count: one, two, three, four, five,"
+    ids = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    texts = [tok.decode(ids[:i], skip_special_tokens=True) for i in range(len(ids) + 1)]
+    stop = ending_in_token(texts, 8)
+    for include in (False, True):
+        want = texts[8][:texts[8].index(stop) + len(stop) * include]
+        extra = {"ignore_eos": True, "include_stop_str_in_output": include}
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
+                                        extra_body=extra)
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "stop"), include
+        streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                  stop=[stop], stream=True, extra_body=extra))
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+        assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "stop"
 
 
 # --- many clients ----------------------------------------------------------------------------

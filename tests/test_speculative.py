@@ -218,7 +218,7 @@ def test_a_compiled_draft_proposes_its_own_greedy_continuation_and_keeps_the_eng
         engine.step()
     for prompt, rid in zip(prompts, ids):
         assert engine.request(rid).output_token_ids == generate_cached(tiny, prompt, params).token_ids
-    assert engine.spec_stats.acceptance_rate == 1.0 and engine.pool.num_used == 0  # its own draft: all kept
+    assert engine.runner.spec_stats.acceptance_rate == 1.0 and engine.pool.num_used == 0  # its own draft: all kept
 
 
 def test_bad_speculative_configs_say_what_to_change(tiny):
@@ -285,7 +285,7 @@ def test_greedy_with_ngram_speculation_is_plain_greedy_in_a_mixed_batch(real, ag
                         (5, prompts[3], params[3]), (9, prompts[4], params[4])])
     got = [engine.request(i).output_token_ids for i in ids]
     print(agree(model, prompts, got, expected))
-    stats = engine.spec_stats
+    stats = engine.runner.spec_stats
     assert stats.accepted > 0 and 0 < stats.acceptance_rate <= 1, stats
     assert stats.proposed <= k * stats.verifications
     mixed = [r for r in engine.history if any(n > 1 for rid, n in r.scheduled.items() if rid not in r.prefill)
@@ -334,7 +334,7 @@ def test_stops_inside_an_accepted_run_end_the_output_where_plain_decoding_does(r
         last = [r for r in runs if r[0] == rid][-1:]
         cut_inside += bool(last) and last[0][1] + last[0][2] > len(b.outputs[0].token_ids)
         assert spec.stats().pool.used == 0
-    assert spec.spec_stats.accepted > 0
+    assert spec.runner.spec_stats.accepted > 0
     assert cut_inside > 0, "some stop should fall inside a verified run, before its last token"
 
 
@@ -349,18 +349,18 @@ def test_the_target_as_its_own_draft_model_is_accepted_and_exact_in_a_batch(real
         method="draft", num_speculative_tokens=3, draft_model=model)))
     ids = _run(engine, [(0, p, params) for p in prompts])
     print(agree(model, prompts, [engine.request(i).output_token_ids for i in ids], expected))
-    assert engine.spec_stats.acceptance_rate > 0.8, engine.spec_stats  # the same model: only near-ties differ
-    assert len(engine.proposer.sequences) == 3
-    verifications = engine.spec_stats.verifications
-    assert engine.proposer.fed_tokens < sum(map(len, prompts)) + verifications * (3 + 3), "no prefill per proposal"
+    assert engine.runner.spec_stats.acceptance_rate > 0.8, engine.runner.spec_stats  # the same model: only near-ties differ
+    assert len(engine.runner.proposer.sequences) == 3
+    verifications = engine.runner.spec_stats.verifications
+    assert engine.runner.proposer.fed_tokens < sum(map(len, prompts)) + verifications * (3 + 3), "no prefill per proposal"
 
 
 def test_without_a_speculative_config_nothing_speculates(real):
     model, tok = real
     engine = Engine(model, tok, EngineConfig(num_blocks=64, record=True))
-    assert engine.proposer is None
+    assert engine.runner.proposer is None
     _run(engine, [(0, chat_ids(tok, REPEAT), SamplingParams(temperature=0, max_tokens=20))])
-    assert engine.spec_stats.proposed == 0
+    assert engine.runner.spec_stats.proposed == 0
     assert all(n == 1 for r in engine.history for rid, n in r.scheduled.items() if rid not in r.prefill)
 
 
@@ -394,13 +394,13 @@ def test_sampled_tokens_after_verification_follow_the_targets_distribution(tiny_
         engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=512, block_size=4, speculative=ngram(1),
                                                    scheduler=SchedulerConfig(max_num_seqs=128,
                                                                              max_num_batched_tokens=1024)))
-        engine.proposer = FixedProposer(guess)
+        engine.runner.proposer = FixedProposer(guess)
         for seed in range(n):
             engine.add_request(prompt, dataclasses.replace(params, seed=seed))
         second = Counter()
         while engine.has_unfinished_requests():
             second.update(o.outputs[0].token_ids[1] for o in engine.step() if o.finished)
-        stats = engine.spec_stats
+        stats = engine.runner.spec_stats
         assert stats.verifications == n and 0 < stats.accepted < n, stats
         groups = [[t] for t in top] + [[t for t in range(len(marginal)) if t not in top]]
         for group in groups:  # each frequency within 4.5 standard deviations of its probability
@@ -437,11 +437,11 @@ def test_random_schedules_with_preemption_chunks_and_shared_prefixes_stay_exact_
     expected = {a[1][10]: (len(a[1]), plain.request(rid).output_token_ids)
                 for a, rid in zip(sorted(arrivals, key=lambda a: a[0]), _run(plain, arrivals))}
     spec = Engine(tiny_dt, tok, EngineConfig(**config, speculative=ngram(4)))
-    spec.proposer = NoisyOracle(expected, noise=0.3, seed=seed)
+    spec.runner.proposer = NoisyOracle(expected, noise=0.3, seed=seed)
     ids = _run(spec, arrivals)
     for a, rid in zip(sorted(arrivals, key=lambda a: a[0]), ids):
         assert spec.request(rid).output_token_ids == expected[a[1][10]][1]
-    stats = spec.spec_stats
+    stats = spec.runner.spec_stats
     assert 0 < stats.accepted < stats.proposed, stats
     assert spec.stats().preemptions > 0 and spec.stats().prefix_cache.hit_tokens > 0  # these seeds do both
     assert spec.stats().steps < plain.stats().steps

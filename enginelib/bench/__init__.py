@@ -49,7 +49,7 @@ from enginelib.bench.workloads import (
     extractive_prompts,
     make_workload,
 )
-from enginelib.core.engine import EngineConfig
+from enginelib.config import EngineConfig
 
 __all__ = [
     "ENDPOINT", "OP_KINDS", "PHASES", "QUESTIONS", "SYSTEMS", "WORKLOADS", "BenchRequest", "EngineConfig", "SpecRun",

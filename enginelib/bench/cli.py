@@ -29,14 +29,14 @@ from enginelib.bench.serving import serve_args, serve_effect
 from enginelib.bench.spec_decode import spec_decode_effect
 from enginelib.bench.systems import SYSTEMS, run_engine, run_one_at_a_time, run_static
 from enginelib.bench.workloads import WORKLOADS, BenchRequest, Workload, _chat, make_workload
-from enginelib.core.engine import Engine, EngineConfig
-from enginelib.core.scheduler import SchedulerConfig
+from enginelib.config import CompileConfig, EngineConfig, SchedulerConfig
+from enginelib.core.engine import Engine
 from enginelib.model.device import PackedLinear, pick_device, set_threads
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 from enginelib.model.weights import DEFAULT_MODEL, load_model
 from enginelib.speed import cpu_kernels
-from enginelib.speed.compiled import CompileConfig, compile_unavailable
+from enginelib.speed.compiled import compile_unavailable
 from enginelib.speed.quant import kernel_unavailable, load_quantized
 
 if TYPE_CHECKING:

@@ -4,12 +4,12 @@ from __future__ import annotations
 from enginelib.bench.results import _sync
 from enginelib.bench.spec_decode import decode_seconds
 from enginelib.bench.workloads import QUESTIONS, _chat
-from enginelib.config import SamplingParams
-from enginelib.core.engine import Engine, EngineConfig
+from enginelib.config import CompileConfig, EngineConfig, SamplingParams
+from enginelib.core.engine import Engine
 from enginelib.core.outputs import RequestOutput
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
-from enginelib.speed.compiled import CompileConfig, compile_unavailable
+from enginelib.speed.compiled import compile_unavailable
 
 
 def _decode(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[float, list[list[int]]]:
@@ -54,10 +54,10 @@ def compile_effect(model: Transformer, tok: Tokenizer, quick: bool) -> dict:
 
 
 def _against_eager(eager: Engine, fast: Engine, chats: list[list[int]], n: int, new: int) -> dict:
-    sizes = fast.compiled.config.batch_sizes
+    sizes = fast.runner.compiled.config.batch_sizes
     _decode(fast, chats[:1], 4, 1)
-    report: dict = {"batch_sizes": list(sizes), "mode": fast.compiled.config.mode, "max_tokens": new,
-                    "compile_seconds": {str(b): s for b, s in fast.compile_report.seconds.items()}}
+    report: dict = {"batch_sizes": list(sizes), "mode": fast.runner.compiled.config.mode, "max_tokens": new,
+                    "compile_seconds": {str(b): s for b, s in fast.runner.compile_report.seconds.items()}}
     for batch, prompts in ((1, chats[:n]), (8, chats[:8])):
         if batch not in sizes:
             continue
@@ -67,5 +67,5 @@ def _against_eager(eager: Engine, fast: Engine, chats: list[list[int]], n: int, 
         report[f"tok_per_s_b{batch}"] = fast_rate
         report[f"tok_per_s_eager_b{batch}"] = eager_rate
         report[f"tokens_equal_b{batch}"] = sum(a == b for a, b in zip(eager_tokens, fast_tokens)) / len(prompts)
-    report["compiled_steps"] = sum(fast.compiled.calls.values())
+    report["compiled_steps"] = sum(fast.runner.compiled.calls.values())
     return report

@@ -8,9 +8,8 @@ import torch
 
 from enginelib.bench.hf import _hf_single_stream
 from enginelib.bench.workloads import QUESTIONS, _chat
-from enginelib.config import SamplingParams
-from enginelib.core.engine import Engine, EngineConfig
-from enginelib.core.scheduler import SchedulerConfig
+from enginelib.config import EngineConfig, SamplingParams, SchedulerConfig
+from enginelib.core.engine import Engine
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 

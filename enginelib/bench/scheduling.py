@@ -6,7 +6,7 @@ import dataclasses
 from enginelib.bench.results import SystemResult, _check_same_tokens, _latencies, _pct
 from enginelib.bench.systems import run_engine
 from enginelib.bench.workloads import Workload, make_workload
-from enginelib.core.engine import EngineConfig
+from enginelib.config import EngineConfig
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 

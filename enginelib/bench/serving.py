@@ -11,7 +11,7 @@ from enginelib.bench.endpoint import run_endpoint, served_model_name
 from enginelib.bench.results import _pct, _same_texts
 from enginelib.bench.systems import run_engine
 from enginelib.bench.workloads import BenchRequest, Workload, _chat
-from enginelib.core.engine import EngineConfig
+from enginelib.config import EngineConfig
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 

@@ -5,14 +5,14 @@ from dataclasses import dataclass, replace
 
 from enginelib.bench.results import _sync
 from enginelib.bench.workloads import QUESTIONS, _chat, extractive_prompts
-from enginelib.config import SamplingParams
-from enginelib.core.engine import Engine, EngineConfig
+from enginelib.config import CompileConfig, EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
+from enginelib.core.engine import Engine
 from enginelib.core.outputs import RequestOutput
-from enginelib.core.scheduler import SchedulerConfig
+from enginelib.core.runner import SpecStats
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
-from enginelib.speed.compiled import CompileConfig, compile_unavailable
-from enginelib.speed.speculative import SpecStats, SpeculativeConfig, compile_draft_unavailable
+from enginelib.speed.compiled import compile_unavailable
+from enginelib.speed.speculative import compile_draft_unavailable
 
 
 def decode_seconds(token_times: list[list[float]]) -> float:
@@ -50,7 +50,7 @@ def run_spec(model: Transformer, tok: Tokenizer, prompts: list[list[int]], max_t
 def run_on(engine: Engine, prompts: list[list[int]], max_tokens: int) -> SpecRun:
     """All ``prompts`` through ``engine`` (built once, e.g. compiled, and run again), greedy; the guess
     counters are this run's alone."""
-    before = replace(engine.spec_stats)
+    before = replace(engine.runner.spec_stats)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     ids = [engine.add_request(p, params) for p in prompts]
     finals: dict[str, RequestOutput] = {}
@@ -60,7 +60,7 @@ def run_on(engine: Engine, prompts: list[list[int]], max_tokens: int) -> SpecRun
     outs = [finals[i] for i in ids]
     times = [o.metrics.token_times for o in outs]
     decoded = sum(len(t) - 1 for t in times)
-    stats = engine.spec_stats
+    stats = engine.runner.spec_stats
     run_stats = SpecStats(stats.verifications - before.verifications, stats.proposed - before.proposed,
                           stats.accepted - before.accepted)
     return SpecRun([o.outputs[0].text for o in outs], decoded / decode_seconds(times), run_stats)
@@ -152,6 +152,6 @@ def compiled_target_effect(model: Transformer, tok: Tokenizer, prompts: list[lis
     plain = _pooled(before, run_on(built["plain"], prompts, max_tokens))
     figures = _spec_figures(plain, fast)
     return {"speedup_b1": figures.pop("speedup"), **figures,  # (a compile that failed ran eagerly: None, 0)
-            "compile_seconds": {name: e.compile_report and sum(e.compile_report.seconds.values())
+            "compile_seconds": {name: e.runner.compile_report and sum(e.runner.compile_report.seconds.values())
                                 for name, e in built.items()},
-            "compiled_steps": {name: e.compiled and sum(e.compiled.calls.values()) or 0 for name, e in built.items()}}
+            "compiled_steps": {name: e.runner.compiled and sum(e.runner.compiled.calls.values()) or 0 for name, e in built.items()}}

@@ -9,8 +9,8 @@ from tqdm import tqdm  # disable=None: bars on a terminal only, none in logs or 
 from enginelib.baselines.generate import generate_static
 from enginelib.bench.results import SystemResult, _latencies, _sync
 from enginelib.bench.workloads import Workload
-from enginelib.config import SamplingParams
-from enginelib.core.engine import Engine, EngineConfig
+from enginelib.config import EngineConfig, SamplingParams
+from enginelib.core.engine import Engine
 from enginelib.core.outputs import RequestOutput
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer

@@ -97,8 +97,6 @@ class KVCacheManager:
         self.pool.share(cached)  # before allocating, so no block we reuse is evicted
         request.block_table += cached + self.pool.allocate(max(need, 0))
         request.num_computed_tokens = computed
-        if admission:
-            request.metrics.num_cached_tokens = len(cached) * self.block_size
         if self.enable_prefix_caching:  # only the request's own tokens: slots for guesses past them are not hashed
             self._cache_full_blocks(request, computed, min(computed + num_new_tokens, request.num_tokens))
         return True

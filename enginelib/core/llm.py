@@ -6,8 +6,8 @@ import os
 import torch
 from tqdm.auto import tqdm
 
-from enginelib.config import SamplingParams
-from enginelib.core.engine import Engine, EngineConfig
+from enginelib.config import EngineConfig, SamplingParams
+from enginelib.core.engine import Engine
 from enginelib.core.outputs import RequestOutput
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer

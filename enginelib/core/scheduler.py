@@ -13,33 +13,19 @@ accepted and gives back the blocks that held rejected guesses only.
 
 Blocks are the :class:`KVCacheManager`'s business; the scheduler only asks for
 them. It never touches tensors (this module does not even import the tensor
-library): the engine turns its decisions into a batch.
+library): the model runner turns its decisions into a batch. It alone moves a
+request between states; the output processor tells it when a stop string ends one.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from enginelib.config import finish_reason
+from enginelib.config import SchedulerConfig, finish_reason
 from enginelib.core.block_pool import BlockPool
 from enginelib.core.kv_manager import KVCacheManager
 from enginelib.core.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32              # requests running at once
-    max_num_batched_tokens: int = 2048  # tokens computed in one step (the token budget)
-    enable_chunked_prefill: bool = True  # split prompts longer than what is left of the budget
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                             f"max_num_seqs ({self.max_num_seqs}): every running request decodes each step")
 
 
 @dataclass
@@ -50,6 +36,7 @@ class ScheduledWork:
     start: int = 0    # position of the first of them: the tokens before it are in the cache
     samples: bool = True  # they reach the end of what it has, so a new token is sampled
     draft_token_ids: list[int] = field(default_factory=list)  # guesses computed after its last token, to verify
+    admitted: bool = False  # taken from the waiting queue this step (its cached prefix counts as computed)
 
 
 @dataclass
@@ -152,10 +139,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = time.perf_counter()
             self.running.append(request)
-            out.scheduled.append(self._work(request, num_new, is_prefill=True))
+            out.scheduled.append(replace(self._work(request, num_new, is_prefill=True), admitted=True))
             budget -= num_new
         return out
 
@@ -186,7 +171,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        request.metrics.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput, tokens: Sequence[int | Sequence[int]]) -> list[Request]:
@@ -248,6 +232,16 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def stop(self, request: Request, num_output_tokens: int) -> None:
+        """A stop string ends the request after its first ``num_output_tokens`` tokens (the output processor
+        found it): later tokens are dropped, and the reason is "stop" even if one of them (EOS, ``max_tokens``)
+        already ended it."""
+        del request.output_token_ids[num_output_tokens:]
+        if request.is_finished:
+            request.finish_reason = "stop"
+        else:
+            self.finish(request, "stop")
 
     def find(self, request_id: str) -> Request:
         for request in (*self.running, *self.waiting):

@@ -57,6 +57,7 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None    # vLLM's extension
     ignore_eos: bool = False                   # vLLM's extension
+    include_stop_str_in_output: bool = False   # vLLM's extension
     seed: int | None = None
     n: int = 1
     stream: bool = False
@@ -279,7 +280,8 @@ def _sampling_params(body: _Body, prompt: str | list[int], tokenizer, context: i
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               max_tokens=max_tokens, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
-                              ignore_eos=body.ignore_eos, seed=body.seed)
+                              ignore_eos=body.ignore_eos, seed=body.seed,
+                              include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as error:
         raise ApiError(400, str(error), _param(str(error))) from None
 
@@ -427,9 +429,7 @@ def engine_config(args: argparse.Namespace) -> "EngineConfig":
     by default the served model's own file, whose Q4_1 layers make it an int4 draft (chapter 12).
     The draft loads here, after every flag has been checked and before the served model.
     """
-    from enginelib.core.engine import EngineConfig
-    from enginelib.speed.compiled import CompileConfig
-    from enginelib.speed.speculative import SpeculativeConfig
+    from enginelib.config import CompileConfig, EngineConfig, SpeculativeConfig
 
     speculative = compile_config = None
     if args.compile or args.compile_batch_sizes:
@@ -528,7 +528,7 @@ class ServerProcess:
 
     def launch(self) -> "ServerProcess":
         """Start the child process and return at once (it loads its model meanwhile); see :meth:`wait_ready`."""
-        cmd = [sys.executable, "-m", "enginelib.serve.app", "--port", str(self.port), "--parent-pid", str(os.getpid()),
+        cmd = [sys.executable, "-m", "enginelib.serve", "--port", str(self.port), "--parent-pid", str(os.getpid()),
                *self.args]
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe nobody reads would stall the server
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,

@@ -46,40 +46,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from enginelib.config import CompileConfig
 from enginelib.core.batch import Batch, SequenceWork
 from enginelib.core.paged_cache import PagedKVCache, check_tables
 from enginelib.model.device import unpack_linears
 from enginelib.model.transformer import Transformer
 from enginelib.speed import cpu_kernels
-
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-
-
-@dataclass(frozen=True)
-class CompileConfig:
-    """What to compile: steps padded up to ``batch_sizes`` tokens (a decode step has one per sequence, a
-    verification ``k + 1``); ``mode`` is torch.compile's."""
-
-    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
-    mode: str | None = None       # torch.compile's mode: None (its default) or e.g. "reduce-overhead" (CUDA graphs)
-    # CPU: the weights become constants of the graph (folded, pre-packed for oneDNN, not passed as ~430 arguments
-    # every step): faster steps, and with cpp_wrapper faster compiling too, but with the Python wrapper a bucket
-    # of the 135M model compiles in ~65 s instead of ~25 s on a 2-core CPU
-    freeze: bool = False
-    # CPU: the code that calls each kernel of the step (~300 calls at batch 1) in C++, not Python: a few
-    # ms less a step at batch 1 on a 2-core CPU, for a minute or more of extra compiling per bucket
-    cpp_wrapper: bool = False
-    fallback: bool = True         # when compiling is unavailable: run eagerly and say why (False: raise)
-
-    def __post_init__(self) -> None:
-        sizes = self.batch_sizes
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
-            raise ValueError(f"batch_sizes must be positive integers, e.g. (1, 2, 4, 8), got {sizes!r}")
-        if tuple(sorted(set(sizes))) != tuple(sizes):
-            raise ValueError(f"batch_sizes must be increasing without repeats, e.g. (1, 2, 4, 8), got {sizes!r}")
-        modes = [m for m in torch._inductor.list_mode_options() if m != "default"]
-        if self.mode not in (None, "default", *modes):
-            raise ValueError(f"mode must be None or one of torch.compile's modes {modes}, got {self.mode!r}")
 
 
 def compile_unavailable(device: torch.device | str) -> str | None:

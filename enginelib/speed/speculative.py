@@ -26,42 +26,12 @@ from typing import Protocol
 import torch
 
 from enginelib.baselines.kv_cache import ContiguousKVCache
-from enginelib.config import SamplingParams
+from enginelib.config import CompileConfig, SamplingParams, SpeculativeConfig
 from enginelib.core.batch import Batch, SequenceWork
 from enginelib.model.sampling import filter_logits
 from enginelib.model.transformer import Transformer
 from enginelib.speed import cpu_kernels
-from enginelib.speed.compiled import CompileConfig, CompiledDecoder, compile_unavailable
-
-METHODS = ("ngram", "draft")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """How to speculate: ``method`` "ngram" (prompt lookup, no extra model) or "draft" (a second, smaller model)."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4  # k: guesses per step, so up to k + 1 tokens per step
-    prompt_lookup_max: int = 4       # n-gram: the longest suffix looked up earlier in the sequence
-    prompt_lookup_min: int = 1       # n-gram: the shortest one tried before giving up for this step
-    draft_model: Transformer | None = field(default=None, compare=False, repr=False)  # method "draft"
-    compile_draft: bool = False      # draft: its one-token steps through one compiled graph (CPU, float32)
-
-    def __post_init__(self) -> None:
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-            raise ValueError(f"num_speculative_tokens must be a positive integer (the guesses per step), got {k!r}: "
-                             "pass e.g. num_speculative_tokens=4, or speculative=None to turn speculation off")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown speculative method {self.method!r}: use one of {METHODS}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
-                             f"({self.prompt_lookup_max}): e.g. prompt_lookup_min=1, prompt_lookup_max=4")
-        if self.method == "draft" and self.draft_model is None:
-            raise ValueError("method 'draft' needs a draft model: pass draft_model=<Transformer with the target's "
-                             "vocabulary>, or use method='ngram'")
-        if self.compile_draft and self.method != "draft":
-            raise ValueError("compile_draft compiles a draft model's steps: use it with method='draft'")
+from enginelib.speed.compiled import CompiledDecoder, compile_unavailable
 
 
 class Proposer(Protocol):
@@ -283,29 +253,6 @@ def make_proposer(config: SpeculativeConfig, target: Transformer, max_sequences:
     return DraftModelProposer(config.draft_model, target.cfg.vocab_size, max_sequences, config.compile_draft)
 
 
-@dataclass
-class SpecStats:
-    """Counters over every verification (a request's step that carried at least one guess)."""
-
-    verifications: int = 0
-    proposed: int = 0  # guesses verified
-    accepted: int = 0  # of them, agreed with by the target (a stop inside the run may still drop some)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Guesses kept per verification; each verification also emits one token of the target's own."""
-        return self.accepted / self.verifications if self.verifications else 0.0
-
-    def record(self, proposed: int, accepted: int) -> None:
-        self.verifications += 1
-        self.proposed += proposed
-        self.accepted += accepted
-
-
 def accept_greedy(drafts: Sequence[int], target: Sequence[int]) -> list[int]:
     """Keep guesses while they equal the target's argmax; then add the target's own token.
 
@@ -350,5 +297,4 @@ def rejection_sample(logits: torch.Tensor, drafts: Sequence[int], params: Sampli
     return torch.stack([accepted, choice.gather(0, accepted[None])[0]])
 
 
-__all__ = ["SpeculativeConfig", "Proposer", "NgramProposer", "DraftModelProposer", "SpecStats",
-           "common_prefix", "make_proposer", "accept_greedy", "rejection_sample"]
+__all__ = ["Proposer", "NgramProposer", "DraftModelProposer", "common_prefix", "make_proposer", "accept_greedy", "rejection_sample"]

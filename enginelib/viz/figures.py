@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from enginelib.baselines.generate import StaticBatchRun
-from enginelib.core.engine import StepRecord
+from enginelib.core.record import StepRecord
 
 # One colour per request state, shared by every timeline in the book.
 STATE_COLORS = {

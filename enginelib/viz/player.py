@@ -35,7 +35,7 @@ from typing import Any
 
 from matplotlib.colors import to_hex
 
-from enginelib.core.engine import StepRecord
+from enginelib.core.record import StepRecord
 from enginelib.viz.figures import (
     STATE_COLORS,
     STATE_LABELS,
