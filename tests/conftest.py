@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 import enginelib
 from enginelib.model import ModelConfig, Transformer
@@ -25,6 +26,28 @@ from enginelib.model.tokenizer import Tokenizer
 
 enginelib.set_threads()
 DEVICE = torch.device(os.environ.get("ENGINELIB_TEST_DEVICE", "cpu"))
+
+# CI runs the property tests with a fixed seed: a red CI is then reproducible, never a lucky draw.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
+
+# `slow`: the real model, a server, a compiler, a browser or a notebook. `pytest -m "not slow"` is the
+# developer's quick answer (the tiny model, pure logic); plain `pytest` runs everything.
+SLOW_FIXTURES = {"real", "server", "site", "browser"}
+SLOW_MODULES = {"test_bench", "test_compiled", "test_cpu_kernels", "test_llama_cpp_peer", "test_site"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: needs the real model, a server, a compiler, a browser or a notebook")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(item, "module", None)
+        if (item.path.suffix == ".ipynb" or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or (module is not None and module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES)):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 from pathlib import Path
 
 import nbformat
@@ -106,3 +107,15 @@ def test_committed_outputs_are_from_a_full_error_free_run(path):
     assert counts == sorted(counts), "cells were run out of order"
     errors = [o for c in code for o in c.outputs if o.output_type == "error"]
     assert not errors
+
+
+def test_the_readme_points_every_chapter_at_files_that_exist():
+    """The chapter table's "finished code" column: the first path is from the repository root, the
+    others from enginelib/."""
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if re.match(r"\| (I|II|III) \| \d+ ", line)]
+    assert len(rows) >= 13
+    for row in rows:
+        paths = re.findall(r"`([^`]+)`", row.split(" | ")[-1])
+        for path in paths:
+            where = ROOT / path if path.startswith("enginelib/") else ROOT / "enginelib" / path
+            assert where.exists(), f"README: {path} ({row.split(' | ')[1]}) does not exist"

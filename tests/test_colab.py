@@ -32,7 +32,13 @@ def run_setup_cell(source: str, monkeypatch, in_colab: bool) -> None:
 
 def test_the_setup_cell_does_nothing_outside_colab(monkeypatch):
     sync = load_ci_module("sync_notebooks")
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: calls.append(args) or
+                        types.SimpleNamespace(returncode=0, stdout="", stderr=""))
     run_setup_cell(sync.setup_source("https://invalid.invalid/nothing"), monkeypatch, in_colab=False)
+    assert calls == [], "outside Colab the setup cell must not run pip"
+    run_setup_cell(sync.setup_source("https://invalid.invalid/nothing"), monkeypatch, in_colab=True)
+    assert calls and "enginelib @ git+https://invalid.invalid/nothing" in calls[0][0], calls
 
 
 def test_a_failing_install_says_what_happened_and_what_to_do(monkeypatch, tmp_path):
@@ -51,6 +57,7 @@ def pyenv_313() -> list[Path]:
     return sorted(Path.home().glob(".pyenv/versions/3.13.*/bin/python3.13"))
 
 
+@pytest.mark.slow
 def test_colab_rehearsal():
     """Build (or reuse) the Colab-like venv; rehearse the setup cells, the widgets and one chapter
     ($COLAB_REHEARSAL_EXECUTE, default chapter 1; set it empty to skip)."""
