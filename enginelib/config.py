@@ -13,10 +13,7 @@ import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from enginelib.model.transformer import Transformer
+from typing import Any
 
 # Below this a temperature is greedy; below MIN_TEMPERATURE it is raised to it: dividing logits by, say, 1e-38
 # overflows to inf and the probabilities become NaN (vLLM's _SAMPLING_EPS and _MAX_TEMP).
@@ -91,8 +88,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise ValueError(f"seed must fit in 64 bits ({SEED_RANGE[0]} to {SEED_RANGE[1] - 1}), got {self.seed}")
-        if not isinstance(self.ignore_eos, bool) or not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError("ignore_eos and include_stop_str_in_output must be True or False")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -175,7 +173,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # k: guesses per step, so up to k + 1 tokens per step
     prompt_lookup_max: int = 4       # n-gram: the longest suffix looked up earlier in the sequence
     prompt_lookup_min: int = 1       # n-gram: the shortest one tried before giving up for this step
-    draft_model: Transformer | None = field(default=None, compare=False, repr=False)  # method "draft"
+    draft_model: Any = field(default=None, compare=False, repr=False)  # method "draft": a Transformer
     compile_draft: bool = False      # draft: its one-token steps through one compiled graph (CPU, float32)
 
     def __post_init__(self) -> None:

@@ -28,6 +28,9 @@ BAD_PARAMS = [
     (dict(stop=["ok", 3]), "stop must be a string or a list of strings"),
     (dict(stop_token_ids=[2.0]), "stop_token_ids"),
     (dict(seed="7"), "seed"),
+    (dict(seed=2**64), "seed must fit in 64 bits"),
+    (dict(seed=-2**63 - 1), "seed must fit in 64 bits"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
 ]
 BAD_PROMPTS = [None, ["hello", "world"], {"prompt": "hi"}, 42, [1, 2.5], [True, 3], b"hi", [[1, 2]]]
 
@@ -114,8 +117,29 @@ def test_a_malformed_chat_is_refused_and_the_engine_keeps_serving(llm, messages,
     assert out.finished and llm.engine.pool.num_used == 0
 
 
-@pytest.mark.parametrize("bad, message", BAD_PARAMS[:6] + BAD_PARAMS[10:11])
+@pytest.mark.parametrize("bad, message", BAD_PARAMS[:6] + BAD_PARAMS[10:11] + BAD_PARAMS[-3:])
 def test_the_engine_serves_on_after_bad_sampling_params(engine, bad, message):
     with pytest.raises(ValueError, match=message):
         engine.add_request("hi", SamplingParams(**bad))
     _still_serves(engine)
+
+
+@pytest.mark.parametrize("temperature, seen", [(1e-38, 0.0), (1e-6, 0.0), (1e-5, 0.01), (5e-3, 0.01), (0.5, 0.5)])
+def test_tiny_temperatures_are_greedy_or_raised_as_vllm_does(engine, temperature, seen):
+    """Below 1e-5 a temperature is greedy; below 1e-2 it is raised to 1e-2: dividing logits by 1e-38 would
+    overflow to inf and make the probabilities NaN, which stopped the engine's step."""
+    params = SamplingParams(temperature=temperature, max_tokens=4, seed=1)
+    assert params.temperature == seen
+    rid = engine.add_request("The sea is", params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.request(rid).output_token_ids) == 4
+    _still_serves(engine)
+
+
+@pytest.mark.parametrize("seed", [0, 2**64 - 1, -2**63])
+def test_every_64_bit_seed_runs(engine, seed):
+    rid = engine.add_request("The sea is", SamplingParams(temperature=0.8, max_tokens=3, seed=seed))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.request(rid).output_token_ids) == 3
