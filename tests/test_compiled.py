@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from enginelib.config import SamplingParams
-from enginelib.core import engine as engine_module
 from enginelib.core.engine import Engine, EngineConfig
 from enginelib.speed import compiled
 from enginelib.speed.compiled import CompileConfig, compile_unavailable
@@ -181,8 +180,7 @@ def test_a_failed_compile_falls_back_or_raises(tiny_dt, monkeypatch):
         raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("C++ compile error: boom"), None)
 
     monkeypatch.setattr(compiled.CompiledDecoder, "compile", fail)
-    for module in (compiled, engine_module):
-        monkeypatch.setattr(module, "compile_unavailable", lambda device: None)
+    monkeypatch.setattr(compiled, "compile_unavailable", lambda device: None)
     tok = tiny_tokenizer(tiny_dt.cfg.vocab_size)
     with pytest.warns(RuntimeWarning, match="torch.compile failed.*boom.*runs eagerly"):
         engine = Engine(tiny_dt, tok, EngineConfig(num_blocks=32, compile=CompileConfig()))

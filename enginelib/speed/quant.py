@@ -63,7 +63,7 @@ from enginelib.speed import cpu_kernels
 
 FORMATS = ("int8", "int4", "q8_0", "float16", "bfloat16")
 GROUP_SIZE = 32  # int4: weights per (scale, minimum) pair, as GGUF's Q4_1
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parents[1] / "data"
 
 
 # ---------------------------------------------------------------- the stored form

@@ -1,0 +1,107 @@
+"""What the run prints and the ratios it derives: a table per workload and a summary of every section."""
+from __future__ import annotations
+
+from enginelib.bench.endpoint import ENDPOINT
+from enginelib.bench.results import SystemResult
+
+
+def _ratios(systems: dict) -> dict:
+    def ratio(a: str, b: str) -> float | None:
+        return systems[a]["tok_per_s"] / systems[b]["tok_per_s"] if a in systems and b in systems else None
+
+    return {"engine_vs_naive": ratio("engine", "naive"), "engine_vs_kv_cache": ratio("engine", "kv_cache"),
+            "engine_vs_static": ratio("engine", "static"), "engine_vs_hf_static": ratio("engine", "hf_static"),
+            "endpoint_vs_engine": ratio(ENDPOINT, "engine"),
+            "engine_vs_llama_cpp": ratio("engine", "llama_cpp")}
+
+
+def _fmt(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def _print_table(name: str, results: dict[str, SystemResult]) -> None:
+    base = results.get("naive")
+    print(f"\nworkload {name}")
+    print(f"{'system':<10} {'tok/s':>8} {'x naive':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+          f"{'TPOT p99':>9} {'e2e p50':>8}  note")
+    for r in results.values():
+        s = r.summary()
+        print(f"{r.name:<10} {r.tok_per_s:>8.1f} {_fmt(r.tok_per_s / base.tok_per_s if base else None):>8} "
+              f"{_fmt(s['ttft_p50_s'], 1e3, 0):>7}ms {_fmt(s['ttft_p99_s'], 1e3, 0):>7}ms "
+              f"{_fmt(s['tpot_p50_s'], 1e3, 0):>7}ms {_fmt(s['tpot_p99_s'], 1e3, 0):>7}ms "
+              f"{_fmt(s['e2e_p50_s'], 1, 2):>7}s  {r.note.strip('; ')}")
+
+
+def _print_summary(report: dict) -> None:
+    r = report["ratios"]
+    print("\nratios: " + ", ".join(f"{k} {_fmt(v, 1, 2)}" for k, v in r.items()))
+    print(f"machine: {report['machine_peak_flops'] / 1e9:.0f} GFLOP/s matmul peak, "
+          f"{report['machine_read_bandwidth'] / 1e9:.1f} GB/s read bandwidth "
+          f"({report['machine']['threads']} threads, {report['machine']['device']}, {report['machine']['dtype']})")
+    print(f"decode MFU at batch 32: {report['mfu_decode_b32']:.1%}; single stream "
+          f"{report['single_stream_tok_per_s']:.1f} tok/s = {report['single_stream_roofline_frac']:.0%} of the "
+          f"bandwidth roofline ({report['single_stream_roofline_tok_per_s']:.1f} tok/s)")
+    if "llama_cpp" in report:
+        p = report["llama_cpp"]
+        b32 = (f"; batch 32 {p['engine_decode_b32_tok_per_s']:.1f} vs {p['decode_b32_tok_per_s']:.1f} tok/s "
+               f"({p['decode_b32_ratio']:.2f}x)") if p["decode_b32_ratio"] is not None else ""
+        print(f"llama.cpp {p['version']} on {p['device']} ({p['format']}, {p['threads']} threads) vs the engine "
+              f"({p['engine_format']}): "
+              f"single-stream decode {p['engine_single_stream_tok_per_s']:.1f} vs {p['single_stream_tok_per_s']:.1f} "
+              f"tok/s ({p['single_stream_ratio']:.2f}x){b32}; {_fmt(p.get('texts_equal'), 100, 0)}% of greedy "
+              f"outputs equal")
+        if p.get("fast_single_stream_ratio") is not None:
+            print(f"  the engine at its fastest single stream ({p['fast_format']}): "
+                  f"{p['fast_single_stream_tok_per_s']:.1f} tok/s ({p['fast_single_stream_ratio']:.2f}x llama.cpp)")
+        if p.get("fast_decode_b32_ratio") is not None:
+            print(f"  the engine at its fastest with 32 sequences ({p['fast_b32_format']}): "
+                  f"{p['fast_decode_b32_tok_per_s']:.1f} tok/s ({p['fast_decode_b32_ratio']:.2f}x llama.cpp)")
+    if "prefix_cache" in report:
+        p, c = report["prefix_cache"], report["chunked_prefill"]
+        print(f"prefix cache (shared-prefix): TTFT p50 {_fmt(p['ttft_p50_on_s'], 1e3, 0)} ms with, "
+              f"{_fmt(p['ttft_p50_off_s'], 1e3, 0)} ms without (ratio {p['ttft_ratio']:.2f}); "
+              f"hit rate {p['hit_rate']:.0%}")
+        print(f"chunked prefill (long-prompt, budget {c['budget']}): decode p99 gap {_fmt(c['tpot_p99_on_s'], 1e3, 0)} ms "
+              f"with, {_fmt(c['tpot_p99_off_s'], 1e3, 0)} ms without (ratio {c['tpot_p99_ratio']:.2f})")
+    if "serve" in report:
+        s = report["serve"]
+        print(f"serve ({s['concurrency']} streams, {s['requests']} requests): server {s['server_tok_per_s']:.1f} tok/s "
+              f"vs offline {s['offline_tok_per_s']:.1f} tok/s = {s['throughput_ratio']:.2f}x; TTFT p50 "
+              f"{_fmt(s['ttft_p50'], 1e3, 0)} ms, p99 {_fmt(s['ttft_p99'], 1e3, 0)} ms; TPOT p50 "
+              f"{_fmt(s['tpot_p50'], 1e3, 0)} ms, p99 {_fmt(s['tpot_p99'], 1e3, 0)} ms; "
+              f"{_fmt(s['texts_equal'], 100, 0)}% of texts equal the offline engine's")
+    if "spec_decode" in report:
+        d = report["spec_decode"]
+        g, e = d["ngram"], d["extractive"]
+        print(f"spec decode (k={d['k']}), batch 1 on chats: draft ({d['draft']}) {d['speedup_b1']:.2f}x (acceptance "
+              f"{d['acceptance']:.0%}, {d['mean_accepted_length']:.2f} kept per check), n-gram {g['speedup_b1']:.2f}x "
+              f"(acceptance {g['acceptance']:.0%}); n-gram {g['speedup_b8']:.2f}x at batch 8, {e['speedup_b1']:.2f}x "
+              f"copying a passage (acceptance {e['acceptance']:.0%}); {d['texts_equal']:.0%} of texts equal plain greedy's")
+        if "compiled_target" in d:
+            c = d["compiled_target"]
+            print(f"spec decode with the target compiled on both sides: {c['speedup_b1']:.2f}x "
+                  f"({c['tok_per_s']:.1f} vs {c['tok_per_s_plain']:.1f} tok/s), {c['texts_equal']:.0%} of texts equal")
+    if "quant" in report:
+        q = report["quant"]
+        for fmt in ("int8", "int4"):
+            r = q[fmt]
+            print(f"{fmt}: {r['bytes_per_param']:.2f} bytes/param, {r['weight_bytes'] / 2**20:.0f} MiB, decode "
+                  f"{r['tok_per_s_ratio']:.2f}x float, perplexity {r['ppl']:.2f} ({r['ppl_delta']:+.1%}), "
+                  f"kernels {', '.join(sorted(set(r['kernels'].values())))}")
+    if "compile" in report:
+        c = report["compile"]
+        if "unavailable" in c:
+            print(f"compile: skipped ({c['unavailable']})")
+        else:
+            for name, sec in (("compile", c), ("compile + CUDA graphs", c.get("cuda_graphs"))):
+                if sec is None:
+                    continue
+                line = ", ".join(f"{sec[f'speedup_b{b}']:.2f}x at batch {b}" for b in sec["batch_sizes"])
+                print(f"{name}: decode {line} vs eager; compiling took "
+                      f"{', '.join(f'{s:.0f} s (batch {b})' for b, s in sec['compile_seconds'].items())}; "
+                      f"{sec['tokens_equal_b1']:.0%} of outputs equal eager's")
+    if "kv_waste" in report:
+        w, c = report["kv_waste"], report["concurrency"]
+        print(f"KV waste: paged {w['paged']:.1%} vs reserve-{w['max_len']} {w['contiguous']:.1%}; "
+              f"a {c['budget_tokens']}-token budget holds {c['paged']} requests paged vs {c['contiguous']} contiguous "
+              f"({report['concurrency_ratio']:.1f}x)")

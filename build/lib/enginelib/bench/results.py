@@ -1,0 +1,97 @@
+"""What one system did on one workload (:class:`SystemResult`), how latencies are counted, and the
+check that every system produced the same greedy tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from enginelib.model.checks import check_greedy, float32_reference
+from enginelib.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from enginelib.bench.workloads import Workload
+
+
+@dataclass
+class SystemResult:
+    """What one system did on one workload: throughput and per-request latencies (seconds)."""
+
+    name: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)  # every gap between two tokens of a request
+    e2e: list[float] = field(default_factory=list)
+    note: str = ""
+    prefix_hit_rate: float | None = None  # the engine's, when it caches prefixes
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+    texts: list[str] = field(default_factory=list, repr=False)  # the engine's and an endpoint's, to compare
+    timings: list[tuple[float, list[float]]] = field(default_factory=list, repr=False)  # (arrival, token times)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def summary(self) -> dict:
+        return {"tok_per_s": self.tok_per_s, "output_tokens": self.output_tokens, "seconds": self.seconds,
+                "requests": self.requests,
+                "ttft_p50_s": _pct(self.ttft, 50), "ttft_p99_s": _pct(self.ttft, 99),
+                "tpot_p50_s": _pct(self.tpot, 50), "tpot_p99_s": _pct(self.tpot, 99),
+                "itl_p99_s": _pct(self.itl, 99), "prefix_hit_rate": self.prefix_hit_rate,
+                "e2e_p50_s": _pct(self.e2e, 50), "note": self.note}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    """Nearest rank (:func:`loadgen.percentile`): every percentile reported is a latency that was measured."""
+    from enginelib.serve.loadgen import percentile  # imported when used: the loader pulls in the openai client
+
+    return percentile(values, q)
+
+
+def _latencies(result: SystemResult, arrival: float, token_times: list[float]) -> None:
+    """Add one request's TTFT, TPOT and end-to-end latency (absolute perf_counter times)."""
+    result.ttft.append(token_times[0] - arrival)
+    if len(token_times) > 1:
+        result.tpot.append((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+        result.itl += [b - a for a, b in zip(token_times, token_times[1:])]
+    result.e2e.append(token_times[-1] - arrival)
+
+
+def _same_texts(a: SystemResult, b: SystemResult) -> float | None:
+    """Fraction of requests whose texts are equal (greedy: the server must say what the engine says)."""
+    n = min(len(a.texts), len(b.texts))
+    return sum(x == y for x, y in zip(a.texts, b.texts)) / n if n else None
+
+
+def _sync(model: Transformer) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _check_same_tokens(model: Transformer, wl: Workload, results: dict[str, SystemResult]) -> None:
+    """Every system must produce the same greedy tokens per request: note any that differ.
+
+    Identical, or diverging only at a near-tie of the float32 reference
+    (:func:`checks.check_greedy`): transformers' kernels, or float16, may round
+    a close call the other way. A real difference is noted ("differs").
+    """
+    ref = results.get("kv_cache") or results.get("naive")
+    if ref is None:
+        return
+    reference = None  # a float32 copy, made once, only if some system diverges
+    for name, r in results.items():
+        n = min(len(ref.outputs), len(r.outputs))
+        if r is ref or r.outputs[:n] == ref.outputs[:n]:
+            continue
+        if reference is None:
+            reference = float32_reference(model)
+        prompts = [req.prompt_ids for req in wl.requests[:n]]
+        try:
+            verdict = check_greedy(model, prompts, r.outputs[:n], ref.outputs[:n], reference=reference)
+            r.note += f"; {len(verdict.near_ties)} of {n} requests diverge from {ref.name} at a near-tie"
+        except AssertionError as err:
+            r.note += f"; differs from {ref.name}: {err}".split(". ")[0]

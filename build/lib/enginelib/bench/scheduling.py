@@ -1,0 +1,64 @@
+"""Sections on the engine's scheduling features: the prefix cache, chunked prefill, load against latency."""
+from __future__ import annotations
+
+import dataclasses
+
+from enginelib.bench.results import SystemResult, _check_same_tokens, _latencies, _pct
+from enginelib.bench.systems import run_engine
+from enginelib.bench.workloads import Workload, make_workload
+from enginelib.config import EngineConfig
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
+
+
+def prefix_cache_effect(model: Transformer, tok: Tokenizer, config: EngineConfig, quick: bool) -> dict:
+    """The ``shared-prefix`` workload with the prefix cache on and off, same process: TTFT and hit rate."""
+    wl = make_workload("shared-prefix", tok, quick)
+    on = run_engine(model, tok, wl, dataclasses.replace(config, enable_prefix_caching=True))
+    off = run_engine(model, tok, wl, dataclasses.replace(config, enable_prefix_caching=False))
+    _check_same_tokens(model, wl, {"kv_cache": off, "engine": on})  # off is the reference here
+    return {"ttft_p50_on_s": _pct(on.ttft, 50), "ttft_p50_off_s": _pct(off.ttft, 50),
+            "ttft_ratio": _pct(on.ttft, 50) / _pct(off.ttft, 50), "hit_rate": on.prefix_hit_rate,
+            "tok_per_s_on": on.tok_per_s, "tok_per_s_off": off.tok_per_s, "note": on.note.strip("; ")}
+
+
+def chunked_prefill_effect(model: Transformer, tok: Tokenizer, config: EngineConfig, quick: bool,
+                           budget: int) -> dict:
+    """The ``long-prompt`` workload with and without chunked prefill: decode latency of the running requests.
+
+    Without chunking a long prompt is prefilled in one step and every running
+    request waits for it; with a token budget of ``budget`` it is split. The
+    tail of the gaps between tokens (p99 inter-token latency, the TPOT a
+    streaming reader feels) is compared on the short requests only.
+    """
+    wl = make_workload("long-prompt", tok, quick)
+    short = Workload(wl.name, [r for r in wl.requests if r.arrival_step == 0], wl.ignore_eos)
+    runs = {}
+    for chunked in (True, False):
+        sched = dataclasses.replace(config.scheduler, enable_chunked_prefill=chunked,
+                                    max_num_batched_tokens=budget if chunked else 4096)
+        runs[chunked] = run_engine(model, tok, wl, dataclasses.replace(config, scheduler=sched))
+    decode_itl = {}
+    for chunked, r in runs.items():
+        gaps = SystemResult("short", 0, 0, 1.0)
+        for req, (arrival, times) in zip(wl.requests, r.timings):
+            if req.arrival_step == 0:
+                _latencies(gaps, arrival, times)
+        decode_itl[chunked] = _pct(gaps.itl, 99)
+    _check_same_tokens(model, wl, {"kv_cache": runs[False], "engine": runs[True]})
+    return {"budget": budget, "short_requests": len(short.requests),
+            "tpot_p99_on_s": decode_itl[True], "tpot_p99_off_s": decode_itl[False],
+            "tpot_p99_ratio": decode_itl[True] / decode_itl[False],
+            "ttft_p50_long_on_s": _pct([t for q, t in zip(wl.requests, runs[True].ttft) if q.arrival_step], 50),
+            "ttft_p50_long_off_s": _pct([t for q, t in zip(wl.requests, runs[False].ttft) if q.arrival_step], 50),
+            "note": runs[True].note.strip("; ")}
+
+
+def latency_curve(model: Transformer, tok: Tokenizer, rates: list[float], config: EngineConfig,
+                  quick: bool = True) -> list[dict]:
+    """The engine on the ``poisson`` workload at each arrival rate: throughput against latency."""
+    rows = []
+    for rate in rates:
+        result = run_engine(model, tok, make_workload("poisson", tok, quick, rate), config)
+        rows.append({"rate": rate, **result.summary()})
+    return rows

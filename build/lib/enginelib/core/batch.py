@@ -1,0 +1,79 @@
+"""The Batch: the one seam between scheduling and compute.
+
+The scheduler speaks of requests and blocks; the model speaks of tensors. A
+step's plan becomes one flat batch: the new tokens of every scheduled
+sequence laid end to end, where each goes in the cache (slot mapping), what
+each sequence may attend to (block tables, context lengths), and which rows
+need logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceWork:
+    """One sequence's share of a step, in plain numbers (no Request)."""
+
+    token_ids: list[int]    # the tokens to compute this step
+    start: int              # position of the first of them (= tokens already cached)
+    block_table: list[int]  # its blocks, in order
+    sample: bool = True     # its last token needs logits (not a prefill chunk with more to come)
+    num_draft: int = 0      # its last tokens are this many guesses to verify: they and the token before get logits
+
+
+@dataclass
+class Batch:
+    token_ids: torch.Tensor     # [N] new tokens of all sequences, end to end
+    positions: torch.Tensor     # [N] their positions in their own sequences
+    slot_mapping: torch.Tensor  # [N] flat cache slot for each: block * block_size + offset
+    block_tables: torch.Tensor  # [S, max_blocks] (padded with block 0, never read past context_lens)
+    context_lens: torch.Tensor  # [S] tokens each sequence has in the cache after this step
+    query_lens: list[int]       # [S] new tokens per sequence
+    logits_indices: torch.Tensor  # [R] row of the last new token of each sequence that samples: only these get logits
+    #                               (a sequence verifying k guesses gets k + 1 rows, see enginelib.speed.speculative)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @classmethod
+    def build(cls, seqs: list[SequenceWork], block_size: int, device: torch.device | str = "cpu") -> "Batch":
+        """Lay the work end to end: all of it is built on the host and crosses to ``device`` in one copy."""
+        tokens, positions, slots, ends = [], [], [], []
+        for s in seqs:
+            pos = range(s.start, s.start + len(s.token_ids))
+            if len(s.block_table) * block_size < pos.stop:
+                raise ValueError(f"{len(s.block_table)} blocks cannot hold {pos.stop} tokens")
+            tokens += s.token_ids
+            positions += pos
+            slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
+            if s.sample:
+                ends += range(len(tokens) - 1 - s.num_draft, len(tokens))
+        width = max(len(s.block_table) for s in seqs)
+        tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
+        context_lens = [s.start + len(s.token_ids) for s in seqs]
+        n, num_seqs = len(tokens), len(seqs)
+        flat = to_device(tokens + positions + slots + tables + context_lens + ends, device)
+        token_ids, pos, slot_mapping, block_tables, lens, logits_indices = flat.split(
+            [n, n, n, num_seqs * width, num_seqs, len(ends)])
+        return cls(token_ids, pos, slot_mapping, block_tables.view(num_seqs, width), lens,
+                   [len(s.token_ids) for s in seqs], logits_indices)
+
+
+def to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """One int64 tensor on ``device``, in one host-to-device copy that does not block the host.
+
+    On a GPU the host copy is made in pinned (page-locked) memory: only from
+    there can the copy run asynchronously, while Python prepares the next thing.
+    Split the result into views on the device rather than copying pieces one by one.
+    """
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)

@@ -1,0 +1,174 @@
+"""The engine loop: schedule, run the model, process the outputs.
+
+Requests can be added at any time, also while others decode: each step the
+scheduler sees them. That is continuous batching. Each part has its own module:
+the :class:`Scheduler` decides who computes what, the :class:`ModelRunner` turns
+that plan into tokens (and, with a speculative config, proposes guesses and
+verifies them), the :class:`OutputProcessor` turns tokens into text, stop
+strings and metrics.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch.profiler import record_function
+
+from enginelib.config import EngineConfig, SamplingParams, SchedulerConfig, as_token_ids, check_request, stop_hold_back
+from enginelib.core.block_pool import BlockPool, PoolStats
+from enginelib.core.kv_manager import KVCacheManager, PrefixCacheStats
+from enginelib.core.output_processor import OutputProcessor
+from enginelib.core.outputs import DeltaCursor, RequestMetrics, RequestOutput, StreamDelta
+from enginelib.core.paged_cache import PagedKVCache
+from enginelib.core.record import StepRecord, snapshot
+from enginelib.core.request import Request, RequestStatus
+from enginelib.core.runner import ModelRunner, SpecStats
+from enginelib.core.scheduler import Scheduler
+from enginelib.model.device import free_gpu_memory
+from enginelib.model.tokenizer import Tokenizer
+from enginelib.model.transformer import Transformer
+
+DEFAULT_CPU_KV_MEMORY = 512 * 2**20  # bytes of K/V on a CPU when nothing else is said
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters at one moment (a copy: later steps do not change it)."""
+
+    steps: int
+    running: int
+    waiting: int
+    finished: int
+    preemptions: int
+    generated_tokens: int
+    pool: PoolStats
+    prefix_cache: PrefixCacheStats
+    spec_decode: SpecStats  # guesses proposed and accepted (all zero without speculation)
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config = config or EngineConfig()
+        self.pool = BlockPool(self._num_blocks(), config.block_size)
+        self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, tokenizer.eos_token_id)
+        self.runner = ModelRunner(model, config, self.pool.num_blocks)
+        self.output = OutputProcessor(tokenizer)
+        self.history: list[StepRecord] = []
+        self.steps = 0
+        self._next_id = 0
+        self._aborted: list[RequestOutput] = []  # returned by the next step
+
+    @property
+    def cache(self) -> PagedKVCache:
+        return self.runner.cache
+
+    def _num_blocks(self) -> int:
+        config, cfg, dtype = self.config, self.model.cfg, self.model.dtype
+        memory = config.kv_cache_memory
+        if memory is None:  # on a GPU, free memory counts what PyTorch caches but no tensor holds
+            memory = (int(free_gpu_memory(self.model.device) * config.gpu_memory_fraction)
+                      if self.model.device.type == "cuda" else DEFAULT_CPU_KV_MEMORY)
+        num_blocks = config.num_blocks or PagedKVCache.blocks_in_budget(cfg, config.block_size, dtype, memory)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache memory ({memory} bytes) holds no block of {config.block_size} tokens "
+                             f"({config.block_size * cfg.kv_bytes_per_token(dtype)} bytes): give it more memory")
+        return num_blocks
+
+    # --- requests in and out -------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (text or token ids); it joins the running batch at a later step."""
+        params = SamplingParams() if params is None else params
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
+        check_request(ids, params, self.model.cfg.vocab_size, self.model.cfg.context_length)
+        numbered = request_id is None
+        while numbered and str(self._next_id) in self.output.live:  # skip ids the caller chose
+            self._next_id += 1
+        request_id = str(self._next_id) if numbered else str(request_id)
+        if request_id in self.output.live:
+            raise ValueError(f"request id {request_id!r} is already in use: pick another")
+        request = Request(request_id, ids, params, prompt=prompt if isinstance(prompt, str) else None,
+                          metrics=RequestMetrics(time.perf_counter()))
+        self.runner.add(request_id, params)  # its generator first: nothing reaches the scheduler half-made
+        try:
+            self.scheduler.add(request)  # raises if the pool could never hold it
+        except ValueError:
+            self.runner.release(request_id)
+            raise
+        self._next_id += numbered  # a refused request uses up no id
+        self.output.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request now; its blocks go back to the pool. Unknown or finished ids raise."""
+        request = self.scheduler.find(request_id)
+        self.scheduler.finish(request, "abort")
+        self.runner.release(request_id)
+        out = self.output.abort(request, time.perf_counter())
+        self._aborted.append(out)
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """Counters kept as things happen (nothing here walks past requests), copied."""
+        out = self.output
+        return EngineStats(self.steps, len(self.scheduler.running), len(self.scheduler.waiting), out.num_finished,
+                           out.num_preemptions, out.num_generated, self.pool.stats(), replace(self.kv.stats),
+                           replace(self.runner.spec_stats))
+
+    def request(self, request_id: str) -> Request:
+        """The scheduler's record of a request: an unfinished one, or one of the last to end."""
+        return self.output.request(request_id)
+
+    # --- the loop ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of every request that moved (and any just aborted)."""
+        drafts = None
+        if self.runner.proposer is not None:
+            with record_function("propose"):
+                drafts = self.runner.propose(self.scheduler.running)
+        with record_function("schedule"):  # named phases show up in torch.profiler (chapter 8)
+            plan = self.scheduler.schedule(drafts)
+        scheduled_time = time.perf_counter()
+        outputs, self._aborted = self._aborted, []
+        if not plan.is_empty:
+            tokens = self.runner.execute(plan)
+            with record_function("update"):
+                self.scheduler.update(plan, tokens)
+        outputs += self.output.process(plan, scheduled_time, time.perf_counter(), self.scheduler.stop)
+        ended = [out.request_id for out in outputs if out.finished]
+        for request_id in ended:
+            self.runner.release(request_id)
+        self.steps += 1
+        if self.config.record:
+            self.history.append(snapshot(self.steps - 1, plan, (live.request for live in self.output.live.values()),
+                                         ended, self.scheduler.running, self.pool))
+        return outputs
+
+    def stream(self) -> Iterator[StreamDelta]:
+        """Step until every request is done, yielding each request's new text as it comes.
+
+        What a :class:`DeltaCursor` holds back (a partial character, the last
+        ``max(len(stop)) - 1`` characters) comes in a later delta; a finished
+        request's last delta has ``finished`` and its metrics.
+        """
+        cursors: dict[str, DeltaCursor] = {}
+        while self.has_unfinished_requests() or self._aborted:
+            for out in self.step():
+                if out.request_id not in cursors:
+                    cursors[out.request_id] = DeltaCursor(stop_hold_back(self.request(out.request_id).params))
+                yield cursors[out.request_id].delta(out)
+                if out.finished:
+                    del cursors[out.request_id]
+
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestStatus", "SchedulerConfig", "StepRecord"]

@@ -1,0 +1,136 @@
+"""The output processor: from new token ids to what a caller sees.
+
+After each step it detokenizes every request's new tokens, one token at a time,
+looks for stop strings in the new characters (the last token included: a stop
+string completed by the token that reaches ``max_tokens`` still ends the text
+there, with ``finish_reason="stop"``, as in vLLM), stamps each token's time and
+writes the request's metrics, and builds the :class:`RequestOutput` of every
+request that moved. When it finds a stop string it asks the scheduler, which
+alone moves requests between states, to stop the request there.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from enginelib.config import stop_hold_back
+from enginelib.core.outputs import CompletionOutput, RequestOutput
+from enginelib.core.request import Request
+from enginelib.core.scheduler import SchedulerOutput
+from enginelib.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+KEEP_FINISHED = 1024  # finished requests kept for engine.request(); nothing walks them per step
+
+
+@dataclass
+class _Live:
+    """What the output side keeps of an unfinished request."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    num_seen: int = 0  # output tokens already detokenized
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.live: dict[str, _Live] = {}                          # unfinished requests
+        self.finished: OrderedDict[str, Request] = OrderedDict()  # the last KEEP_FINISHED that ended
+        self.num_finished = self.num_generated = self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.finished.pop(request.request_id, None)  # an id may be used again once its request is done
+        self.live[request.request_id] = _Live(request, IncrementalDetokenizer(self.tokenizer))
+
+    def request(self, request_id: str) -> Request:
+        """An unfinished request, or one of the last KEEP_FINISHED to end."""
+        if request_id in self.live:
+            return self.live[request_id].request
+        if request_id in self.finished:
+            return self.finished[request_id]
+        raise ValueError(f"no request {request_id!r}: unknown, or finished more than {KEEP_FINISHED} requests ago "
+                         "(keep the RequestOutput that step() returned when it finished)")
+
+    def process(self, plan: SchedulerOutput, scheduled_time: float, now: float,
+                stop: Callable[[Request, int], None]) -> list[RequestOutput]:
+        """The outputs of every request that sampled this step (after ``Scheduler.update``). ``stop(request, n)``
+        ends a request whose text holds a stop string after its first ``n`` output tokens."""
+        self.num_preemptions += len(plan.preempted)
+        for request in plan.preempted:
+            request.metrics.num_preemptions += 1
+        outputs = []
+        for work in plan.scheduled:
+            metrics = work.request.metrics
+            if work.admitted:
+                metrics.num_cached_tokens = work.start  # the prefix found in the cache counts as computed
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = scheduled_time
+            if not work.samples:
+                continue  # a prefill chunk: nothing to tell yet
+            live = self.live[work.request.request_id]
+            self._new_tokens(live, now, stop)
+            outputs.append(self.output(live))
+            if work.request.is_finished:
+                self._forget(live, now)
+        return outputs
+
+    def _new_tokens(self, live: _Live, now: float, stop: Callable[[Request, int], None]) -> None:
+        """Stamp each new token's time and extend the text by its new characters, token by token, looking
+        for stop strings there: one found before the last token of a verified run cuts the run there."""
+        request, detok = live.request, live.detokenizer
+        ids = request.output_token_ids
+        for end in range(live.num_seen + 1, len(ids) + 1):
+            request.metrics.token_times.append(now)
+            self.num_generated += 1
+            before = len(detok.text)
+            detok.step(ids if end == len(ids) else ids[:end])
+            if request.params.stop and self._cut_at_stop_string(live, before):
+                stop(request, end)  # nothing past a stop: later tokens of the run are dropped
+                break
+        else:
+            if request.is_finished:  # ended by a token (EOS, a stop id, max_tokens): nothing is held back any more
+                detok.flush(ids)
+        live.num_seen = len(ids)
+
+    @staticmethod
+    def _cut_at_stop_string(live: _Live, before: int) -> bool:
+        """Cut the text at the earliest stop string, if any: before it, or after it with
+        ``include_stop_str_in_output``.
+
+        Only the new characters can complete a match, so the search starts
+        ``max(len(stop)) - 1`` characters before them: the work per token stays
+        constant however long the text grows.
+        """
+        text, params = live.detokenizer.text, live.request.params
+        start = max(0, before - stop_hold_back(params))
+        hits = [(i, len(s)) for s in params.stop if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        index, length = min(hits)
+        live.detokenizer.text = text[:index + length] if params.include_stop_str_in_output else text[:index]
+        return True
+
+    def abort(self, request: Request, now: float) -> RequestOutput:
+        """An aborted request's last output; it leaves the live set."""
+        live = self.live[request.request_id]
+        out = self.output(live)
+        self._forget(live, now)
+        return out
+
+    def _forget(self, live: _Live, now: float) -> None:
+        """A finished request leaves the per-step state; counters and a bounded record remain."""
+        request = live.request
+        request.metrics.finished_time = now
+        del self.live[request.request_id]
+        self.finished[request.request_id] = request
+        if len(self.finished) > KEEP_FINISHED:
+            self.finished.popitem(last=False)
+        self.num_finished += 1
+
+    @staticmethod
+    def output(live: _Live) -> RequestOutput:
+        r = live.request
+        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids,
+                             [CompletionOutput(0, live.detokenizer.text, list(r.output_token_ids), r.finish_reason)],
+                             r.is_finished, r.metrics)

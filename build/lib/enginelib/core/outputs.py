@@ -1,0 +1,109 @@
+"""What the engine hands back, shaped like vLLM's ``RequestOutput`` so what you learn transfers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str                  # detokenized, special tokens and any stop string left out
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+
+
+@dataclass
+class RequestMetrics:
+    """A request's timing, in one place: seconds on the engine's clock (``time.perf_counter``).
+
+    The scheduler stamps ``first_scheduled_time`` when it admits the request; the
+    engine appends to ``token_times`` when each token comes and sets ``finished_time``.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (chapter 9)
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def last_token_time(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """TTFT: from arrival to the first generated token."""
+        return None if not self.token_times else self.token_times[0] - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """TPOT: the mean gap between generated tokens after the first."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Every gap between consecutive tokens: their tail (p99) is what a streaming reader feels."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What one request produced in one step: the text and tokens new since the last delta.
+
+    The last delta (``finished``) also carries the request's ``metrics`` and the
+    token counts a server reports as usage.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class DeltaCursor:
+    """Turns one request's outputs (each with the whole text so far) into deltas (only what is new).
+
+    Text that ends in a partial UTF-8 character is never in an output; the last
+    ``hold_back`` characters (``params.stop_hold_back``) are held back too, since a
+    stop string completed by a later token would cut them from the final text.
+    The finished output's delta brings whatever was held back.
+    """
+
+    hold_back: int = 0
+    chars: int = 0   # characters sent so far
+    tokens: int = 0  # token ids sent so far
+
+    def delta(self, out: RequestOutput) -> StreamDelta:
+        done = out.outputs[0]
+        ready = len(done.text) if out.finished else max(self.chars, len(done.text) - self.hold_back)
+        delta = StreamDelta(out.request_id, done.text[self.chars:ready], done.token_ids[self.tokens:],
+                            out.finished, done.finish_reason, len(out.prompt_token_ids), len(done.token_ids),
+                            out.metrics if out.finished else None)
+        self.chars, self.tokens = ready, len(done.token_ids)
+        return delta

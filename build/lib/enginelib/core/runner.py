@@ -1,0 +1,186 @@
+"""The model runner: turns one scheduled step into tokens.
+
+It owns everything that touches tensors in a step: the paged KV cache, building
+the batch, the forward pass (eager, or compiled when a config asks), sampling
+with each request's own generator, and verifying speculative guesses. It is the
+only core module that reaches into :mod:`enginelib.speed`, and it imports that
+code lazily, when a config asks for it, so a plain engine loads none of it.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import record_function
+
+from enginelib.config import EngineConfig, SamplingParams
+from enginelib.core.batch import Batch, SequenceWork
+from enginelib.core.paged_cache import PagedKVCache
+from enginelib.core.request import Request
+from enginelib.core.scheduler import ScheduledWork, SchedulerOutput
+from enginelib.model.sampling import make_generator, sample
+from enginelib.model.transformer import Transformer
+
+
+@dataclass
+class SpecStats:
+    """Counters over every verification (a request's step that carried at least one guess)."""
+
+    verifications: int = 0
+    proposed: int = 0  # guesses verified
+    accepted: int = 0  # of them, agreed with by the target (a stop inside the run may still drop some)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Guesses kept per verification; each verification also emits one token of the target's own."""
+        return self.accepted / self.verifications if self.verifications else 0.0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.verifications += 1
+        self.proposed += proposed
+        self.accepted += accepted
+
+
+class ModelRunner:
+    """The paged cache and the model, run one scheduled step at a time."""
+
+    def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int) -> None:
+        self.model, self.config = model, config
+        if config.cpu_decode_kernel:
+            _check_decode_kernel(model)
+        self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype,
+                                  decode_kernel=config.cpu_decode_kernel)
+        self.proposer = None
+        if config.speculative is not None:
+            from enginelib.speed.speculative import make_proposer
+
+            self.proposer = make_proposer(config.speculative, model, config.scheduler.max_num_seqs)
+        self.spec_stats = SpecStats()  # proposed / accepted guesses (all zero without speculation)
+        self.compiled, self.compile_report = None, None
+        if config.compile is not None:
+            self.compiled, self.compile_report = self._compile()
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    def _compile(self):
+        """Build the compiled decode step for every bucket now, or say why the engine stays eager."""
+        from enginelib.speed import compiled
+
+        config = self.config.compile
+        reason = compiled.compile_unavailable(self.model.device)
+        if reason and config.fallback:
+            warnings.warn(f"{reason}; the engine runs eagerly", RuntimeWarning, stacklevel=4)
+            return None, None
+        decoder = compiled.CompiledDecoder(self.model, config)  # raises ValueError with the reason if it cannot
+        try:
+            return decoder, decoder.compile(self.cache)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # e.g. the C++ compiler rejected inductor's code
+            inner = e.inner_exception
+            message = f"torch.compile failed: {type(inner).__name__}: {str(inner).strip()[:300]}"
+            if not config.fallback:
+                raise ValueError(f"{message} (CompileConfig(fallback=True) runs eagerly instead)") from e
+            warnings.warn(f"{message}; the engine runs eagerly", RuntimeWarning, stacklevel=4)
+            return None, None
+
+    # --- per request --------------------------------------------------------------------
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        """A request's own random stream (None: greedy, or torch's global one when it has no seed)."""
+        self._generators[request_id] = make_generator(params.seed, self.model.device)
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def propose(self, running: list[Request]) -> dict[str, list[int]]:
+        """Guesses for every running request that decodes next step, at most k and never past its max_tokens."""
+        k, vocab = self.config.speculative.num_speculative_tokens, self.model.cfg.vocab_size
+        drafts = {}
+        for request in running:
+            n = min(k, request.params.max_tokens - len(request.output_token_ids) - 1)
+            decodes = request.num_uncomputed_tokens == 1 and request.num_computed_tokens >= len(request.prompt_token_ids)
+            if n < 1 or not decodes:
+                continue
+            guesses = list(self.proposer.propose(request.all_token_ids, n))[:n]
+            if any(not 0 <= t < vocab for t in guesses):
+                raise ValueError(f"the proposer guessed token ids outside the vocabulary (0..{vocab - 1}): {guesses}")
+            if guesses:
+                drafts[request.request_id] = guesses
+        return drafts
+
+    # --- one step -----------------------------------------------------------------------
+
+    def execute(self, plan: SchedulerOutput) -> list[int | list[int]]:
+        """The step's tokens: one sampled token per work that ``samples``, or a verified run for a work with
+        guesses (see :mod:`enginelib.speed.speculative`)."""
+        with record_function("prepare"):
+            seqs = [SequenceWork(w.request.token_slice(w.start, w.start + w.num_tokens - len(w.draft_token_ids))
+                                 + w.draft_token_ids, w.start, w.request.block_table, w.samples, len(w.draft_token_ids))
+                    for w in plan.scheduled]
+            batch = Batch.build(seqs, self.cache.block_size, self.model.device)
+        with record_function("forward"):  # a step of prefill chunks only has no rows of logits
+            if self.compiled is not None and self.compiled.serves(batch):
+                logits = self.compiled(batch, self.cache)
+            else:
+                logits = self.model(batch.token_ids, self.cache.bind(batch), positions=batch.positions,
+                                    logits_indices=batch.logits_indices)
+        with record_function("sample"):
+            # Every row is sampled on the device first (greedy rows by argmax, the others with their own
+            # generators), then one transfer brings the whole step's tokens to the host: one sync per step.
+            tokens = logits.argmax(dim=-1)
+            sampling = [w for w in plan.scheduled if w.samples]
+            if not any(w.draft_token_ids for w in sampling):
+                for row, work in enumerate(sampling):
+                    if not work.request.params.greedy:
+                        tokens[row:row + 1] = sample(logits[row:row + 1], work.request.params,
+                                                     self._generators[work.request.request_id])
+                return tokens.tolist()
+            return self._verify(sampling, logits, tokens)
+
+    def _verify(self, sampling: list[ScheduledWork], logits: torch.Tensor, tokens: torch.Tensor) -> list[int | list[int]]:
+        """Sample a step with guesses: k + 1 rows per work that guesses, one transfer to the host at the end."""
+        from enginelib.speed.speculative import accept_greedy, rejection_sample
+
+        rows, verdicts = [], []  # each work's first row; the [accepted, token] tensors of sampled verifications
+        row = 0
+        for work in sampling:
+            request, n = work.request, 1 + len(work.draft_token_ids)
+            rows.append(row)
+            if not request.params.greedy:
+                generator = self._generators[request.request_id]
+                if work.draft_token_ids:
+                    verdicts.append(rejection_sample(logits[row:row + n], work.draft_token_ids, request.params,
+                                                     generator))
+                else:
+                    tokens[row:row + 1] = sample(logits[row:row + 1], request.params, generator)
+            row += n
+        host = torch.cat([tokens, *verdicts]).tolist()
+        sampled = iter(zip(host[row::2], host[row + 1::2]))
+        out: list[int | list[int]] = []
+        for work, first in zip(sampling, rows):
+            guesses = work.draft_token_ids
+            if not guesses:
+                out.append(host[first])
+                continue
+            if work.request.params.greedy:
+                run = accept_greedy(guesses, host[first:first + len(guesses) + 1])
+            else:
+                kept, token = next(sampled)
+                run = guesses[:kept] + [token]
+            self.spec_stats.record(len(guesses), len(run) - 1)
+            out.append(run)
+        return out
+
+
+def _check_decode_kernel(model: Transformer) -> None:
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        raise ValueError(f"cpu_decode_kernel runs float32 on a CPU, not {str(model.dtype).removeprefix('torch.')} "
+                         f"on {model.device.type}: leave it off there")
+    from enginelib.speed import cpu_kernels
+
+    reason = cpu_kernels.unavailable()
+    if reason:
+        raise ValueError(f"cpu_decode_kernel needs enginelib's C++ kernels: {reason}")

@@ -1,0 +1,38 @@
+"""Choosing the next token: greedy, temperature, top-k, top-p, seeded."""
+from __future__ import annotations
+
+import torch
+
+from enginelib.config import SamplingParams, finish_reason  # noqa: F401  (re-exported: Part I imports them from here)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A private random stream for one request, or None to use torch's global one."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scale logits [B, V] and mask (to -inf) tokens outside top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p.
+        outside = probs.cumsum(dim=-1) - probs >= params.top_p
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row of logits [B, V] -> [B]."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = filter_logits(logits, params).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,581 @@
+"""An OpenAI-compatible HTTP server over one :class:`AsyncEngine` (chapter 13).
+
+    python -m enginelib.serve --model smollm2-135m --port 8000
+
+Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (with
+``stream: true`` as server-sent events), ``/health`` and ``/metrics``
+(Prometheus). Every connection's request goes into the one engine loop, so
+clients share decode steps. Bad requests get a 4xx in OpenAI's error shape; a
+full waiting queue gets a 503 with ``Retry-After``; a client that disconnects
+has its request aborted.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from enginelib.config import SamplingParams
+from enginelib.core.outputs import StreamDelta
+from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestStream
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt this model's context can hold
+DEFAULT_MAX_WAITING = 256
+DRAIN_FACTOR = 8  # a refused body up to 8x the limit is read and dropped before the 413 (see _parse)
+
+
+# --- what a request may say ----------------------------------------------------------------
+
+class _Body(BaseModel):
+    """Fields both endpoints take. Strict: a string where a number belongs is a 400, not a guess."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                             # vLLM's extension: 0 or -1 turns it off
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None    # vLLM's extension
+    ignore_eos: bool = False                   # vLLM's extension
+    include_stop_str_in_output: bool = False   # vLLM's extension
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: bool | int | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None   # the newer name OpenAI's API gives max_tokens
+
+
+class ApiError(Exception):
+    """An error the client caused (or a busy server), answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# --- metrics -------------------------------------------------------------------------------
+
+class _EngineCollector:
+    """Gauges and counters read from the engine loop's latest snapshot when /metrics is scraped."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats
+        for name, doc, value in [("num_requests_running", "Requests in the running batch.", s.running),
+                                 ("num_requests_waiting", "Requests queued, not yet admitted.", s.waiting),
+                                 ("kv_blocks_used", "KV-cache blocks held by requests.", s.pool.used),
+                                 ("kv_blocks_free", "KV-cache blocks free (cached ones included).", s.pool.free),
+                                 ("kv_blocks_total", "KV-cache blocks in the pool.", s.pool.total),
+                                 ("kv_cache_usage_ratio", "Fraction of KV blocks in use.", s.pool.used / s.pool.total)]:
+            yield GaugeMetricFamily(f"enginelib_{name}", doc, value=value)
+        for name, doc, value in [("generation_tokens", "Tokens generated.", s.generated_tokens),
+                                 ("num_preemptions", "Requests preempted to free blocks.", s.preemptions),
+                                 ("engine_steps", "Engine steps run.", s.steps),
+                                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  s.prefix_cache.queried_tokens),
+                                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  s.prefix_cache.hit_tokens),
+                                 ("spec_decode_num_draft_tokens", "Speculative guesses verified.",
+                                  s.spec_decode.proposed),
+                                 ("spec_decode_num_accepted_tokens", "Speculative guesses the model agreed with.",
+                                  s.spec_decode.accepted)]:
+            yield CounterMetricFamily(f"enginelib_{name}", doc, value=value)
+
+
+@dataclass
+class ServerMetrics:
+    """The server's Prometheus registry: the engine's state, plus latency histograms of finished requests."""
+
+    engine: AsyncEngine
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.registry.register(_EngineCollector(self.engine))
+        seconds = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
+        self.ttft = Histogram("enginelib_time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=seconds, registry=self.registry)
+        self.tpot = Histogram("enginelib_time_per_output_token_seconds", "Mean gap between output tokens.",
+                              buckets=seconds, registry=self.registry)
+        self.e2e = Histogram("enginelib_e2e_request_latency_seconds", "Arrival to the last token.",
+                             buckets=seconds, registry=self.registry)
+        self.finished = Counter("enginelib_request_success", "Requests finished, by reason.",
+                                ["finished_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("enginelib_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=self.registry)
+
+    def observe(self, last: StreamDelta) -> None:
+        m = last.metrics
+        if m is None:
+            return
+        if m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+        if m.time_per_output_token is not None:
+            self.tpot.observe(m.time_per_output_token)
+        if m.last_token_time is not None:
+            self.e2e.observe(m.last_token_time - m.arrival_time)
+        self.finished.labels(last.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(last.num_prompt_tokens)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# --- the app -------------------------------------------------------------------------------
+
+def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP face of ``engine``: every route validates, then streams from the one engine loop."""
+    app = FastAPI(title="enginelib", description="An OpenAI-compatible server over enginelib's engine.")
+    metrics = ServerMetrics(engine)
+    context = engine.engine.model.cfg.context_length
+    tokenizer = engine.engine.tokenizer
+    created = int(time.time())
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return ApiError(503, f"the engine loop stopped: {engine.error!r}").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "enginelib",
+             "max_model_len": context}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionBody, max_body_bytes)
+        return await _answer(request, body, body.prompt, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatBody, max_body_bytes)
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            prompt = tokenizer.apply_chat_template(messages)
+        except ValueError as error:
+            raise ApiError(400, str(error), "messages") from None
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            body.max_tokens = body.max_completion_tokens
+        return await _answer(request, body, prompt, "chat")
+
+    async def _answer(request: Request, body: _Body, prompt: str | list[int], kind: str) -> Response:
+        if body.model != model_name:
+            raise ApiError(400, f"the model {body.model!r} is not served here: use {model_name!r} "
+                                "(GET /v1/models lists it)", "model", "model_not_found")
+        params = _sampling_params(body, prompt, tokenizer, context)
+        try:
+            stream = await engine.add_request(prompt, params, f"{kind}-{uuid.uuid4().hex}")
+        except ValueError as error:  # the prompt: past the context, empty, out of the vocabulary
+            raise ApiError(400, str(error), _param(str(error)) or "prompt") from None
+        except EngineOverloaded as error:
+            raise ApiError(503, str(error), headers={"Retry-After": "1"}) from None
+        except EngineDead as error:
+            raise ApiError(503, str(error)) from None
+        chunks = _Chunks(kind, model_name, stream.request_id)
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_sse(stream, chunks, metrics, usage), media_type="text/event-stream")
+        return await _until_disconnected(request, _collect(stream, chunks, metrics))
+
+    return app
+
+
+async def _parse(request: Request, model: type[_Body], limit: int) -> _Body:
+    """Read at most ``limit`` bytes of JSON and validate it: every failure is a 4xx that says what to fix.
+
+    A body over the limit is still read (and dropped), up to ``DRAIN_FACTOR`` times the limit, before
+    the 413: answering first and closing with the body unread resets the connection, and the client
+    would see a broken pipe instead of our error.
+    """
+    declared = request.headers.get("content-length")
+    size = int(declared) if declared is not None and declared.isdigit() else 0
+    raw, seen = bytearray(), 0
+    if size <= DRAIN_FACTOR * limit:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen <= limit:
+                raw += chunk
+            elif seen > DRAIN_FACTOR * limit:
+                break
+    if max(size, seen) > limit:
+        raise ApiError(413, f"the request body is {max(size, seen)}{'+' if seen > DRAIN_FACTOR * limit else ''} "
+                            f"bytes; this server takes at most {limit} (--max-body-bytes)", code="request_too_large")
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ApiError(400, f"the body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ApiError(400, f"{where}: {first['msg']} (got {first.get('input')!r})", where or None) from None
+
+
+def _sampling_params(body: _Body, prompt: str | list[int], tokenizer, context: int) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; what we do not support is refused by name."""
+    if body.n != 1:
+        raise ApiError(400, f"n={body.n} is not supported: send n=1 (one choice per request)", "n")
+    if body.logprobs not in (None, False, 0):
+        raise ApiError(400, "logprobs are not supported by this server: leave logprobs out", "logprobs")
+    max_tokens = body.max_tokens
+    if max_tokens is None:  # as vLLM does: whatever the context leaves after the prompt
+        num_prompt = len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+        max_tokens = max(1, context - num_prompt)
+    try:
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                              max_tokens=max_tokens, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
+                              ignore_eos=body.ignore_eos, seed=body.seed,
+                              include_stop_str_in_output=body.include_stop_str_in_output)
+    except ValueError as error:
+        raise ApiError(400, str(error), _param(str(error))) from None
+
+
+def _param(message: str) -> str | None:
+    """The request field an engine error names (its messages start with it), for OpenAI's ``param``."""
+    fields = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop", "seed")
+    return next((f for f in fields if message.startswith(f) or f"{f} (" in message), None)
+
+
+@dataclass
+class _Chunks:
+    """OpenAI's response objects for one request: whole answers, stream chunks and usage."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    request_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _base(self, suffix: str = "") -> dict:
+        chat = self.kind == "chat"
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + self.request_id.split("-", 1)[1],
+                "object": ("chat.completion" if chat else "text_completion") + suffix,
+                "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str | None, last: StreamDelta) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._base() | {"choices": [choice], "usage": usage(last)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+        if self.kind == "chat":
+            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._base(".chunk") | {"choices": [choice]}
+        return self._base() | {"choices": [{"index": 0, "text": text or "", "logprobs": None,
+                                            "finish_reason": finish_reason}]}
+
+    def usage_chunk(self, last: StreamDelta) -> dict:
+        return self._base(".chunk" if self.kind == "chat" else "") | {"choices": [], "usage": usage(last)}
+
+
+def usage(last: StreamDelta) -> dict:
+    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
+            "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+
+
+def _sse_line(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _sse(stream: RequestStream, chunks: _Chunks, metrics: ServerMetrics, include_usage: bool) -> AsyncIterator[str]:
+    """A request's deltas as server-sent events; the stream closes (aborts the request) if the client leaves."""
+    try:
+        if chunks.kind == "chat":
+            yield _sse_line(chunks.chunk("", role=True))
+        async for delta in stream:
+            if delta.text:
+                yield _sse_line(chunks.chunk(delta.text))
+            if delta.finished:
+                metrics.observe(delta)
+                yield _sse_line(chunks.chunk(None if chunks.kind == "chat" else "", delta.finish_reason))
+                if include_usage:
+                    yield _sse_line(chunks.usage_chunk(delta))
+        yield _sse_line("[DONE]")
+    except EngineDead as error:
+        yield _sse_line(ApiError(503, str(error)).response().body.decode())
+    finally:
+        stream.close()
+
+
+async def _collect(stream: RequestStream, chunks: _Chunks, metrics: ServerMetrics) -> Response:
+    texts = []
+    try:
+        async for delta in stream:
+            texts.append(delta.text)
+            if delta.finished:
+                metrics.observe(delta)
+                return JSONResponse(chunks.whole("".join(texts), delta.finish_reason, delta))
+    except EngineDead as error:
+        raise ApiError(503, str(error)) from None
+    finally:
+        stream.close()
+    raise ApiError(500, "the request ended without a final output")
+
+
+async def _until_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """Await ``answer``, but cancel it (aborting its request) if the client hangs up first."""
+    work = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if work in done:
+        gone.cancel()
+        return work.result()
+    work.cancel()
+    return Response(status_code=499)  # nobody reads it: the client has gone
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- the command line, and a server in a child process ----------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m enginelib.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="model name or path (as enginelib.load_model takes)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the engine loop")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from memory)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--compile", action="store_true",
+                   help="decode steps through torch.compile (compiled at start-up, one graph per batch size)")
+    p.add_argument("--compile-batch-sizes", type=lambda s: tuple(int(b) for b in s.split(",")), default=None,
+                   help="comma-separated decode batch sizes to compile (default: 1,2,4,8,16,32)")
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="waiting requests past which new ones get 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--log-level", default="warning")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="shut down when this process is gone (ServerProcess passes its own: a killed notebook "
+                        "kernel leaves no server behind)")
+    return p.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> "EngineConfig":
+    """The EngineConfig the flags describe; a bad speculative or compile setting is a ValueError naming the flag.
+
+    ``--speculative-config`` takes SpeculativeConfig's fields, and for method "draft" a ``model`` key, as
+    vLLM's does: the draft, a GGUF file (or known name) loaded as stored by :func:`quant.load_quantized`;
+    by default the served model's own file, whose Q4_1 layers make it an int4 draft (chapter 12).
+    The draft loads here, after every flag has been checked and before the served model.
+    """
+    from enginelib.config import CompileConfig, EngineConfig, SpeculativeConfig
+
+    speculative = compile_config = None
+    if args.compile or args.compile_batch_sizes:
+        compile_config = CompileConfig(**({"batch_sizes": args.compile_batch_sizes} if args.compile_batch_sizes else {}))
+    if args.speculative_config is not None:
+        spec = args.speculative_config
+        keys = sorted({f.name for f in fields(SpeculativeConfig)} - {"draft_model"} | {"model"})
+        if not isinstance(spec, dict) or set(spec) - set(keys):
+            raise ValueError(f"--speculative-config must be a JSON object with the keys {', '.join(keys)} (any of "
+                             f'them), e.g. \'{{"method": "draft", "num_speculative_tokens": 4}}\'; got {spec!r}')
+        spec = dict(spec)
+        draft = spec.pop("model", None)
+        if draft is not None and spec.get("method") != "draft":
+            raise ValueError("--speculative-config: 'model' names a draft model; it needs \"method\": \"draft\"")
+        SpeculativeConfig(**{**spec, "method": "ngram"})  # every other value checked before a draft loads
+        if spec.get("method") == "draft":
+            spec["draft_model"] = load_draft(draft or args.model, args.device)
+        speculative = SpeculativeConfig(**spec)
+    return EngineConfig.from_args(block_size=args.block_size, num_blocks=args.num_blocks,
+                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_prefix_caching=args.enable_prefix_caching,
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
+                                  speculative=speculative, compile=compile_config)
+
+
+def load_draft(model: str, device: str | None) -> "Transformer":
+    """A draft model for ``--speculative-config``: a GGUF's layers as stored (int4 from Q4_1, q8_0 from Q8_0)."""
+    from enginelib.speed.quant import load_quantized
+
+    try:
+        return load_quantized(model, device=device, progress=False)[0]
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"--speculative-config's draft model {model!r}: {e}") from e
+
+
+def make_engine(args: argparse.Namespace) -> AsyncEngine:
+    import torch
+
+    from enginelib.core.engine import Engine
+    from enginelib.model.device import DTYPES
+    from enginelib.model.weights import load_model
+
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    config = engine_config(args)  # first: a bad flag fails before the model loads
+    model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, progress=False)
+    torch.set_grad_enabled(False)
+    return AsyncEngine(Engine(model, tokenizer, config), max_waiting=args.max_waiting, threads=args.threads)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = parse_args(argv)
+    if args.parent_pid is not None:
+        threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), name="parent-watch", daemon=True).start()
+    engine = make_engine(args)
+    app = build_app(engine, args.served_model_name or str(args.model), max_body_bytes=args.max_body_bytes)
+    print(f"enginelib serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+
+
+def _exit_with_parent(parent: int, every: float = 1.0) -> None:
+    """Send ourselves SIGTERM (uvicorn's clean shutdown) once ``parent`` has exited: we were re-parented."""
+    while os.getppid() == parent:
+        time.sleep(every)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m enginelib.serve`` in a child process on a free loopback port, for notebooks, tests and the bench.
+
+        with ServerProcess(["--max-num-seqs", "8"]) as server:
+            client = openai.OpenAI(base_url=server.url, api_key="none")
+    """
+
+    def __init__(self, args: list[str] = (), port: int | None = None, timeout: float = 180.0,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.args, self.timeout, self.env = list(args), timeout, env
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "ServerProcess":
+        """Launch the server and wait until it is healthy."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> "ServerProcess":
+        """Start the child process and return at once (it loads its model meanwhile); see :meth:`wait_ready`."""
+        cmd = [sys.executable, "-m", "enginelib.serve", "--port", str(self.port), "--parent-pid", str(os.getpid()),
+               *self.args]
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe nobody reads would stall the server
+        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                        env={**os.environ, **(self.env or {})})
+        return self
+
+    def wait_ready(self) -> "ServerProcess":
+        """Poll /health until the launched server answers; raise with its log if it exits or takes too long."""
+        if self.process is None:
+            raise ValueError("the server was not launched: call launch() (or start()) first")
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode} before it was ready:\n"
+                                   f"{self.output()}")
+            if self._healthy():
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"the server was not healthy within {self.timeout} s: {' '.join(self.process.args)}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url.removesuffix("/v1") + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:  # not listening yet (connection refused) or still loading the model
+            return False
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """Terminate (SIGTERM lets uvicorn shut down cleanly), then kill if it lingers; return the exit code."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.terminate()
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def output(self) -> str:
+        """What the server printed so far (its log)."""
+        self.log.seek(0)
+        return self.log.read()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+

@@ -1,0 +1,376 @@
+"""Decode without Python overhead: the model step compiled once per batch size, with ``torch.compile``.
+
+An eager decode step runs about thirty small operators per layer, each a
+Python call that dispatches a kernel. ``torch.compile`` traces the step once,
+fuses what it can (norms, RoPE, SwiGLU, residuals) and, on a CPU, can let
+inductor freeze the weights (``freeze=True``: constants of the graph, pre-packed
+for oneDNN's matmul, no longer passed on every call); on a GPU the fused
+kernels replace launches. A traced graph has fixed shapes, so steps are padded
+up to a few sizes (*buckets*) of tokens and each size is compiled once, up
+front, as vLLM captures its graph sizes. A graph serves a step in which every
+token gets logits: decode (one token per sequence) and the verification of
+speculative guesses (a sequence's last token and its ``k`` guesses, each row
+attending to the keys up to its own position). Everything else (prefills,
+chunks, steps bigger than the last bucket) runs eagerly.
+On a CPU, once dynamo has traced a bucket, the engine calls the compiled graph
+itself: the bucket fixes the shapes that dynamo's guards would check on every call.
+
+Attention is the one part the compiler must not see inside: which blocks a
+sequence reads changes every step. On a CPU in float32 it is our C++ decode
+kernel (:func:`enginelib.speed.cpu_kernels.decode_attention`: it writes the new K/V and
+reads keys through the block tables), called by the compiled code itself: the
+block tables, the context lengths and the cache's pools are inputs of the graph,
+the tables padded to a fixed width and padding rows given no keys, so one graph
+serves every step and no Python runs between the layers. A sequence verifying
+guesses becomes one row per token, each with the sequence's block table and
+its own context length (its position + 1): the kernel writes every row's K/V
+before any row attends, so each guess sees the ones before it, causally.
+Elsewhere attention is an opaque custom operator, ``enginelib::paged_attend``, that reads the step's
+:class:`PagedKVCache`, bound before each call, the way vLLM's attention reads its
+"forward context", and runs the cache's own ``attend``. With
+``mode="reduce-overhead"`` on a GPU, inductor's graph partition replays CUDA
+graphs for the pieces between the attention calls.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from enginelib.config import CompileConfig
+from enginelib.core.batch import Batch, SequenceWork
+from enginelib.core.paged_cache import PagedKVCache, check_tables
+from enginelib.model.device import unpack_linears
+from enginelib.model.transformer import Transformer
+from enginelib.speed import cpu_kernels
+
+
+def compile_unavailable(device: torch.device | str) -> str | None:
+    """Why ``torch.compile`` cannot build kernels for ``device`` here, or None if it can.
+
+    On a CPU inductor writes C++ and needs a compiler; on a GPU it writes Triton.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        cxx = os.environ.get("CXX") or "c++"
+        if shutil.which(cxx) is None and shutil.which("g++") is None and shutil.which("clang++") is None:
+            return (f"torch.compile on a CPU needs a C++ compiler and none was found (tried $CXX, c++, g++, clang++): "
+                    "install one (Debian/Ubuntu: apt-get install g++; macOS: xcode-select --install) or set $CXX")
+        return None
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401  (inductor's GPU code generator)
+        except ImportError:
+            return "torch.compile on a GPU needs Triton: pip install triton (it ships with the CUDA wheels of torch)"
+        return None
+    return f"compiling is not supported on {device.type} here: use compile=None (eager)"
+
+
+# --- attention as an opaque operator --------------------------------------------------------
+
+# .cache: the step's cache while a compiled step runs paged_attend (per thread: engines may share a process)
+_bound = threading.local()
+
+
+@contextmanager
+def bound(cache: PagedKVCache) -> Iterator[None]:
+    """Make ``cache`` (already bound to the step's batch) the one ``paged_attend`` reads, in this thread."""
+    outer = getattr(_bound, "cache", None)
+    _bound.cache = cache
+    try:
+        yield
+    finally:
+        _bound.cache = outer
+
+
+# cudagraph_unsafe: with CUDA graphs (mode="reduce-overhead") inductor cuts the graph around this operator and
+# replays the pieces between, since what it reads (block tables, slots) changes every step
+_UNSAFE_IN_CUDA_GRAPHS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("enginelib::paged_attend", mutates_args=(), tags=_UNSAFE_IN_CUDA_GRAPHS)
+def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Attention of a padded decode batch over the bound paged cache: rows past the real batch get zeros.
+
+    q: [1, P, H, D]; k, v: [1, P, KV, D]. It also writes the real rows' K/V into
+    the cache, a side effect the compiler cannot see, which is why the cache is
+    reached through :func:`bound` and not passed in.
+    """
+    cache = _bound.cache
+    n = cache.batch.num_tokens
+    if n == q.shape[1]:
+        return cache.attend(layer, q, k, v)
+    real = cache.attend(layer, q[:, :n], k[:, :n], v[:, :n])
+    out = q.new_zeros(q.shape)
+    out[:, :n] = real
+    return out
+
+
+@paged_attend.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+class _OpaqueCache:
+    """What the traced model sees as its cache: a call of the opaque operator per layer."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.enginelib.paged_attend(q, k, v, layer)
+
+
+@dataclass
+class _GraphCache:
+    """What the traced model sees as its cache on a CPU in float32: the step's tables and the pools,
+    all inputs of the graph, and a call of our C++ decode kernel per layer (it writes the new K/V)."""
+
+    block_tables: torch.Tensor  # [B, width], padded
+    context_lens: torch.Tensor  # [B], 0 for the padding rows
+    k: torch.Tensor             # the cache's pools, [layers, blocks, block_size, KV, D]
+    v: torch.Tensor
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.enginelib.decode_attention(
+            q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), self.k[layer], self.v[layer],
+            self.block_tables, self.context_lens)[None]
+
+
+# --- the compiled decoder --------------------------------------------------------------------
+
+@dataclass
+class CompileReport:
+    """What compiling cost: seconds per bucket (trace + code generation + a first run)."""
+
+    device: str
+    mode: str | None
+    seconds: dict[int, float]
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+def _options(config: CompileConfig, device: torch.device) -> dict:
+    """Inductor's options for ``config`` on ``device``: ``mode``'s own, and the graph cut at attention for CUDA graphs.
+
+    Given as options rather than ``mode=`` because torch.compile takes one or the other.
+    """
+    options = dict(torch._inductor.list_mode_options(config.mode)) if config.mode else {}
+    # the checks of each operator's output shape cost ~1 ms a step at batch 1; the graph is traced from this model
+    options |= {"size_asserts": False, "alignment_asserts": False}
+    if device.type == "cpu" and config.cpp_wrapper:
+        options["cpp_wrapper"] = True
+    if options.get("triton.cudagraphs") and hasattr(torch._inductor.config, "graph_partition"):
+        options["graph_partition"] = True  # replay graphs between the attention calls, not skip the whole step
+    return options
+
+
+@contextmanager
+def _frozen_linears_on_onednn(freezing: AbstractContextManager) -> Iterator[None]:
+    """``freezing``, with the float32 linears it packs run by oneDNN, as the eager engine's :class:`PackedLinear`.
+
+    On x86 inductor's freezing packs float32 weights for MKL's ``_mkl_linear`` and keeps oneDNN's
+    ``_linear_pointwise`` for 16-bit weights. On the 2-core AMD CPU the book is tested on, oneDNN's runs the
+    decode shapes 1.3-2x faster (32 x 576 by 1536 x 576: 268 against 393 us; the LM head: 10.9 against
+    23.2 ms), and a frozen batch-32 step went from 118 to 58 ms. Where this torch lays its passes out
+    differently, freezing keeps its own choice.
+    """
+    try:
+        fusion = importlib.import_module("torch._inductor.fx_passes.mkldnn_fusion")
+        device_op = getattr(fusion, "CpuMkldnnDeviceOp", None)
+    except ImportError:
+        device_op = None
+    pack_weight, pack = getattr(device_op, "pack_linear_weight", None), getattr(device_op, "pack_linear", None)
+    with freezing:
+        if pack_weight is None or pack is None:
+            yield
+            return
+        # the second argument says "16-bit weights": the one case in which inductor packs for oneDNN
+        device_op.pack_linear_weight = lambda op, graph, lp, *rest: pack_weight(op, graph, True, *rest)
+        device_op.pack_linear = lambda op, graph, lp, *rest: pack(op, graph, True, *rest)
+        try:
+            yield
+        finally:
+            device_op.pack_linear_weight, device_op.pack_linear = pack_weight, pack
+
+
+@dataclass
+class _Built:
+    """One graph inductor built: its function, the tensors dynamo traced it with, what its first call returned."""
+
+    fn: Callable[..., Sequence[torch.Tensor]]
+    example_inputs: list[torch.Tensor]
+    first_outputs: Sequence[torch.Tensor] | None = None
+
+
+class _KeepBuilt:
+    """torch.compile's backend: inductor (``compile_fx`` with our options), keeping each graph it builds, so that
+    once a bucket is traced the engine can call its graph itself (:meth:`CompiledDecoder._direct_call`)."""
+
+    compiler_name = "inductor"
+
+    def __init__(self, options: dict) -> None:
+        self.options = options
+        self.built: list[_Built] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], **kwargs) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+        patches = {**self.options, **kwargs.get("config_patches", {})}
+        built = _Built(compile_fx(gm, example_inputs, config_patches=patches), list(example_inputs))
+        self.built.append(built)
+
+        def first_call_recorded(*args):
+            outputs = built.fn(*args)
+            if built.first_outputs is None:
+                built.first_outputs = outputs
+            return outputs
+        return first_call_recorded
+
+
+class CompiledDecoder:
+    """Runs steps in which every token gets logits (decode, verification of guesses) through one compiled
+    graph per bucket of tokens.
+
+    ``__call__(batch, cache)`` returns the logits of the batch's rows, [N, vocab],
+    the rows the eager step would compute. ``compile()`` builds every bucket up
+    front and reports what it cost.
+    """
+
+    def __init__(self, model: Transformer, config: CompileConfig | None = None) -> None:
+        self.config = config = config or CompileConfig()
+        reason = compile_unavailable(model.device)
+        if reason:
+            raise ValueError(reason)
+        self.model = unpack_linears(model)  # same weights; eager steps keep the packed linears
+        # dynamo keeps compiled graphs per code object, so every decoder's buckets count against one limit
+        name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 8 * len(config.batch_sizes)))
+        options = _options(config, model.device)
+        # on a CPU in float32, attention reads the paged cache in our C++ kernel (no gather, no mask, no SDPA call)
+        self.fused_attention = (model.device.type == "cpu" and model.dtype == torch.float32
+                                and cpu_kernels.unavailable() is None)
+        forward = self._forward_fused if self.fused_attention else self._forward
+        # on a CPU, inductor through a backend that keeps what it builds, so that traced buckets can be called
+        # directly (CUDA, untested that way here, keeps torch.compile's own inductor backend)
+        self._backend = _KeepBuilt(options) if model.device.type == "cpu" else None
+        self._step = (torch.compile(forward, dynamic=False, backend=self._backend) if self._backend
+                      else torch.compile(forward, dynamic=False, options=options))
+        self.cuda_graphs = model.device.type == "cuda" and bool(options.get("triton.cudagraphs"))
+        # per bucket, once traced (CPU): its graph called directly, without dynamo's frame hook and guards
+        self.direct: dict[int, Callable[[tuple[torch.Tensor, ...]], torch.Tensor]] = {}
+        self.freeze = model.device.type == "cpu" and config.freeze
+        self.report: CompileReport | None = None
+        self.calls: Counter[int] = Counter()  # steps run per bucket
+
+    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(token_ids, _OpaqueCache(), positions=positions)[0]
+
+    def _forward_fused(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.model(token_ids, _GraphCache(block_tables, context_lens, k, v), positions=positions)[0]
+
+    def table_width(self, cache: PagedKVCache) -> int:
+        """The fixed width the block tables are padded to: the blocks of the longest possible sequence."""
+        return min(cache.num_blocks, -(-self.model.cfg.context_length // cache.block_size))
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The smallest compiled size that holds ``num_tokens`` rows (None: run eagerly)."""
+        return next((b for b in self.config.batch_sizes if b >= num_tokens), None)
+
+    def serves(self, batch: Batch) -> bool:
+        """A step whose every token is sampled (decode, or verification of guesses) that fits a bucket."""
+        return batch.num_tokens == len(batch.logits_indices) and self.bucket(batch.num_tokens) is not None
+
+    def _tracing(self, size: int) -> AbstractContextManager:
+        """With ``freeze``, inductor's freezing switched on while a bucket's first call traces it, its float32
+        linears packed for oneDNN. Dynamo decides when it traces whether the weights become constants of the
+        graph or inputs passed on every call, so torch.compile's ``options`` (applied later, in inductor) come
+        too late; and patching the config costs ~0.2 ms, too much for every step."""
+        if not (self.freeze and self.calls[size] <= 1):
+            return nullcontext()
+        return _frozen_linears_on_onednn(torch._inductor.config.patch(freezing=True))
+
+    def _run(self, size: int, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The bucket's graph on ``args``: directly once it is traced, else through dynamo (tracing it)."""
+        direct = self.direct.get(size)
+        if direct is not None:
+            return direct(args)
+        built = len(self._backend.built) if self._backend else 0
+        with self._tracing(size):
+            out = self._step(*args)
+        if self._backend and len(self._backend.built) == built + 1:  # this call traced the bucket, in one graph
+            self.direct[size] = self._direct_call(self._backend.built[-1], args, out)
+        return out
+
+    @staticmethod
+    def _direct_call(built: _Built, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> Callable | None:
+        """How to call ``built`` with a step's ``args`` and get what dynamo's call returned, or None when
+        the trace was not the whole function (the graph's one output is not what the call returned).
+
+        Dynamo calls a graph with the tensors it found while tracing: the step's arguments, then the model's
+        weights and buffers (its constants, the same tensors every step). Its frame hook and guards cost
+        about 0.5 ms a step at batch 1 on a 2-core CPU (int4, C++ wrapper: 5.5 against 5.0 ms), a tenth of the
+        step; the shapes are fixed per bucket, so the guards have nothing to check that the engine does not
+        already ensure."""
+        outputs = built.first_outputs
+        if outputs is None or len(outputs) != 1 or outputs[0] is not out:
+            return None
+        where = {id(a): i for i, a in enumerate(args)}
+        plan = [where.get(id(x), x) for x in built.example_inputs]  # an argument's index, or a constant tensor
+        fn = built.fn
+
+        def call(step_args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return fn(*[step_args[p] if isinstance(p, int) else p for p in plan])[0]
+        return call
+
+    @torch.inference_mode()
+    def __call__(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+        size = self.bucket(batch.num_tokens)
+        self.calls[size] += 1
+        pad = size - batch.num_tokens
+        token_ids, positions = batch.token_ids, batch.positions
+        if pad:
+            token_ids, positions = F.pad(token_ids, (0, pad)), F.pad(positions, (0, pad))
+        if self.fused_attention:
+            # checked once for the step's 30 attention calls, then padded: the graph's shapes are fixed
+            check_tables(batch.block_tables, batch.context_lens, cache.num_blocks, cache.block_size)
+            rows, lens = batch.block_tables, batch.context_lens
+            if batch.num_tokens != batch.num_seqs:  # guesses to verify: a row per token, keys up to its own
+                rows = rows.repeat_interleave(torch.tensor(batch.query_lens, device=rows.device), dim=0)
+                lens = batch.positions + 1
+            tables = rows.new_zeros(size, self.table_width(cache))
+            tables[:batch.num_tokens, :rows.shape[1]] = rows
+            logits = self._run(size, (token_ids, positions, tables, F.pad(lens, (0, pad)), cache.k, cache.v))
+        else:
+            with bound(cache.bind(batch)):
+                if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs
+                    torch.compiler.cudagraph_mark_step_begin()
+                logits = self._run(size, (token_ids, positions))
+        # a CUDA graph's output lives in its memory pool, which the next replay reuses: keep a copy
+        return logits[:batch.num_tokens].clone() if self.cuda_graphs else logits[:batch.num_tokens]
+
+    def compile(self, cache: PagedKVCache) -> CompileReport:
+        """Trace and build every bucket now, on a throwaway batch that writes only block 0, then clear it."""
+        seconds = {}
+        try:
+            for size in self.config.batch_sizes:
+                batch = Batch.build([SequenceWork([0], 0, [0])] * size, cache.block_size, self.model.device)
+                start = time.perf_counter()
+                self(batch, cache)
+                if self.model.device.type == "cuda":
+                    torch.cuda.synchronize(self.model.device)
+                seconds[size] = time.perf_counter() - start
+        finally:
+            self.calls.clear()
+            cache.k[:, 0].zero_()
+            cache.v[:, 0].zero_()
+        self.report = CompileReport(str(self.model.device), self.config.mode, seconds)
+        return self.report
