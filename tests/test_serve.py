@@ -215,7 +215,7 @@ def _chat(**fields) -> bytes:
 
 
 BAD = {  # case: (path, body, status, words in the message, the param OpenAI's error names)
-    "unknown model": ("/chat/completions", _chat(model="gpt-17"), 400, "not served", "model"),
+    "unknown model": ("/chat/completions", _chat(model="gpt-17"), 404, "does not exist", "model"),
     "missing messages": ("/chat/completions", json.dumps({"model": MODEL}).encode(), 400, "Field required", "messages"),
     "messages not a list": ("/chat/completions", _chat(messages="Hi"), 400, "list", "messages"),
     "unknown role": ("/chat/completions", _chat(messages=[{"role": "wizard", "content": "Hi"}]), 400, "user",
@@ -233,6 +233,23 @@ BAD = {  # case: (path, body, status, words in the message, the param OpenAI's e
     "JSON not an object": ("/chat/completions", b"[1, 2]", 400, "object", None),
     "body too large": ("/completions", json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode(), 413,
                        "bytes", None),
+    "best_of": ("/completions", json.dumps({"model": MODEL, "prompt": "Hi", "best_of": 3}).encode(), 400,
+                "best_of=3 is not supported", "best_of"),
+    "logit_bias": ("/chat/completions", _chat(logit_bias={"42": 5}), 400, "logit_bias", "logit_bias"),
+    "response_format": ("/chat/completions", _chat(response_format={"type": "json_object"}), 400,
+                        "response_format", "response_format"),
+    "tools": ("/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
+              "tools"),
+    "a penalty": ("/chat/completions", _chat(presence_penalty=0.5), 400, "presence_penalty", "presence_penalty"),
+    "echo": ("/completions", json.dumps({"model": MODEL, "prompt": "Hi", "echo": True}).encode(), 400, "echo",
+             "echo"),
+    "logprobs": ("/chat/completions", _chat(logprobs=True), 400, "logprobs", "logprobs"),
+    "an empty stop string": ("/chat/completions", _chat(stop=""), 400, "must not be empty", "stop"),
+    "too many stop strings": ("/chat/completions", _chat(stop=[f"s{i}" for i in range(17)]), 400, "at most 16",
+                              "stop"),
+    "a lone surrogate": ("/completions", b'{"model": "%s", "prompt": "\\ud800"}' % MODEL.encode(), 400,
+                         "surrogate", None),
+    "nested too deeply": ("/completions", b"[" * 100_000 + b"]" * 100_000, 400, "nested", None),
 }
 
 
@@ -249,7 +266,7 @@ def test_server_keeps_serving_after_bad_requests(server, client):
     for path, body, *_ in BAD.values():
         _post(server, path, body)
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0).choices[0].text
-    with pytest.raises(openai.BadRequestError, match="not served here"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "Hi"}])
     wait_idle(server)
 

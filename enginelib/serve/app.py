@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -26,20 +27,27 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from enginelib.config import SamplingParams
+from enginelib.config import CompileConfig, EngineConfig, SamplingParams, SpeculativeConfig
 from enginelib.core.outputs import StreamDelta
 from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestStream
+from enginelib.serve.guard import Guard, is_loopback
+
+if TYPE_CHECKING:
+    from enginelib.model.transformer import Transformer
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt this model's context can hold
 DEFAULT_MAX_WAITING = 256
+BODY_TIMEOUT = 30.0  # seconds to receive a request's body
 DRAIN_FACTOR = 8  # a refused body up to 8x the limit is read and dropped before the 413 (see _parse)
 
 
@@ -48,7 +56,7 @@ DRAIN_FACTOR = 8  # a refused body up to 8x the limit is read and dropped before
 class _Body(BaseModel):
     """Fields both endpoints take. Strict: a string where a number belongs is a 400, not a guess."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # extras are checked against UNSUPPORTED
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -59,10 +67,25 @@ class _Body(BaseModel):
     ignore_eos: bool = False                   # vLLM's extension
     include_stop_str_in_output: bool = False   # vLLM's extension
     seed: int | None = None
-    n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    logprobs: bool | int | None = None
+
+
+# OpenAI fields this server does not implement, with the value that means "not used": any other value is
+# refused by name (a 400), never silently ignored
+UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+               "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "repetition_penalty": (None, 1, 1.0), "echo": (None, False), "suffix": (None, ""),
+               "top_logprobs": (None, 0), "logprobs": (None, False, 0), "n": (None, 1)}
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 128  # a stream holds back max(len(stop)) - 1 characters
+ECHO_LIMIT = 80  # characters of a refused value repeated in an error message
+
+
+def _echo(value: object) -> str:
+    """A refused value, shortened: an error must not send a 900 KB body back."""
+    text = repr(value)
+    return text if len(text) <= ECHO_LIMIT else f"{text[:ECHO_LIMIT]}... ({len(text)} characters)"
 
 
 class CompletionBody(_Body):
@@ -70,7 +93,7 @@ class CompletionBody(_Body):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # extras are checked against UNSUPPORTED
     role: Literal["system", "user", "assistant"]
     content: str
 
@@ -165,9 +188,12 @@ class ServerMetrics:
 
 # --- the app -------------------------------------------------------------------------------
 
-def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The HTTP face of ``engine``: every route validates, then streams from the one engine loop."""
+def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              api_key: str | None = None, loopback_only: bool = False) -> FastAPI:
+    """The HTTP face of ``engine``: every route validates, then streams from the one engine loop.
+    ``api_key`` and ``loopback_only`` set the door's checks (:class:`Guard`)."""
     app = FastAPI(title="enginelib", description="An OpenAI-compatible server over enginelib's engine.")
+    app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only)
     metrics = ServerMetrics(engine)
     context = engine.engine.model.cfg.context_length
     tokenizer = engine.engine.tokenizer
@@ -177,6 +203,25 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
         return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """404 (no such route), 405 (wrong method) and the like, in OpenAI's shape rather than FastAPI's."""
+        message = {404: f"no route {_echo(request.url.path)}: see GET /v1/models, POST /v1/completions and "
+                        "POST /v1/chat/completions",
+                   405: f"{request.method} is not allowed on {_echo(request.url.path)}"}.get(error.status_code,
+                                                                                          str(error.detail))
+        return ApiError(error.status_code, message, headers=getattr(error, "headers", None)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return ApiError(422, f"the request is malformed: {_echo(error.errors()[:1])}").response()
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, error: Exception) -> JSONResponse:
+        """A bug of ours: the client still gets OpenAI's error object (the log has the traceback)."""
+        logging.getLogger("enginelib.serve").exception("unhandled error")
+        return ApiError(500, f"internal error: {type(error).__name__}").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -213,7 +258,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
 
     async def _answer(request: Request, body: _Body, prompt: str | list[int], kind: str) -> Response:
         if body.model != model_name:
-            raise ApiError(400, f"the model {body.model!r} is not served here: use {model_name!r} "
+            raise ApiError(404, f"the model {_echo(body.model)} does not exist here: use {model_name!r} "
                                 "(GET /v1/models lists it)", "model", "model_not_found")
         params = _sampling_params(body, prompt, tokenizer, context)
         try:
@@ -243,13 +288,20 @@ async def _parse(request: Request, model: type[_Body], limit: int) -> _Body:
     declared = request.headers.get("content-length")
     size = int(declared) if declared is not None and declared.isdigit() else 0
     raw, seen = bytearray(), 0
-    if size <= DRAIN_FACTOR * limit:
+
+    async def read() -> None:
+        nonlocal seen
         async for chunk in request.stream():
             seen += len(chunk)
             if seen <= limit:
-                raw += chunk
+                raw.extend(chunk)
             elif seen > DRAIN_FACTOR * limit:
                 break
+    if size <= DRAIN_FACTOR * limit:
+        try:  # a client that sends its body a byte a minute must not hold a connection forever
+            await asyncio.wait_for(read(), BODY_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT:.0f} s") from None
     if max(size, seen) > limit:
         raise ApiError(413, f"the request body is {max(size, seen)}{'+' if seen > DRAIN_FACTOR * limit else ''} "
                             f"bytes; this server takes at most {limit} (--max-body-bytes)", code="request_too_large")
@@ -257,6 +309,12 @@ async def _parse(request: Request, model: type[_Body], limit: int) -> _Body:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ApiError(400, f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ApiError(400, "the body's JSON is nested too deeply") from None
+    try:  # a lone surrogate (JSON "\\ud800") is not Unicode text: no tokenizer takes it
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the body holds a lone surrogate (e.g. \\ud800), which is not valid Unicode text") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
     try:
@@ -264,22 +322,33 @@ async def _parse(request: Request, model: type[_Body], limit: int) -> _Body:
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ApiError(400, f"{where}: {first['msg']} (got {first.get('input')!r})", where or None) from None
+        raise ApiError(400, f"{where}: {first['msg']} (got {_echo(first.get('input'))})", where or None) from None
+
+
+def _refuse_unsupported(body: _Body) -> None:
+    """An OpenAI field this server does not implement, set to anything but its "off" value: a 400 naming it."""
+    for name, value in (body.model_extra or {}).items():
+        if name in UNSUPPORTED and not any(value == off and type(value) is type(off) for off in UNSUPPORTED[name]
+                                           if off is not None) and value is not None:
+            raise ApiError(400, f"{name}={_echo(value)} is not supported by this server: leave {name} out", name)
+    stop = body.stop
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+    if any(len(s) > MAX_STOP_LENGTH for s in ([stop] if isinstance(stop, str) else stop or [])):
+        raise ApiError(400, f"stop: a stop string may have at most {MAX_STOP_LENGTH} characters", "stop")
 
 
 def _sampling_params(body: _Body, prompt: str | list[int], tokenizer, context: int) -> SamplingParams:
     """The request's sampling fields as SamplingParams; what we do not support is refused by name."""
-    if body.n != 1:
-        raise ApiError(400, f"n={body.n} is not supported: send n=1 (one choice per request)", "n")
-    if body.logprobs not in (None, False, 0):
-        raise ApiError(400, "logprobs are not supported by this server: leave logprobs out", "logprobs")
+    _refuse_unsupported(body)
     max_tokens = body.max_tokens
     if max_tokens is None:  # as vLLM does: whatever the context leaves after the prompt
         num_prompt = len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
         max_tokens = max(1, context - num_prompt)
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              max_tokens=max_tokens, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
+                              max_tokens=max_tokens, stop=[] if body.stop is None else body.stop,
+                              stop_token_ids=body.stop_token_ids or [],
                               ignore_eos=body.ignore_eos, seed=body.seed,
                               include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as error:
@@ -414,6 +483,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="waiting requests past which new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--api-key", default=os.environ.get("ENGINELIB_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on /v1 routes (default: $ENGINELIB_API_KEY; none)")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="open connections at most; past it new ones get a 503 (uvicorn's limit_concurrency)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle connection stays open between requests")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="shut down when this process is gone (ServerProcess passes its own: a killed notebook "
@@ -421,7 +496,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def engine_config(args: argparse.Namespace) -> "EngineConfig":
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags describe; a bad speculative or compile setting is a ValueError naming the flag.
 
     ``--speculative-config`` takes SpeculativeConfig's fields, and for method "draft" a ``model`` key, as
@@ -429,7 +504,6 @@ def engine_config(args: argparse.Namespace) -> "EngineConfig":
     by default the served model's own file, whose Q4_1 layers make it an int4 draft (chapter 12).
     The draft loads here, after every flag has been checked and before the served model.
     """
-    from enginelib.config import CompileConfig, EngineConfig, SpeculativeConfig
 
     speculative = compile_config = None
     if args.compile or args.compile_batch_sizes:
@@ -455,7 +529,7 @@ def engine_config(args: argparse.Namespace) -> "EngineConfig":
                                   speculative=speculative, compile=compile_config)
 
 
-def load_draft(model: str, device: str | None) -> "Transformer":
+def load_draft(model: str, device: str | None) -> Transformer:
     """A draft model for ``--speculative-config``: a GGUF's layers as stored (int4 from Q4_1, q8_0 from Q8_0)."""
     from enginelib.speed.quant import load_quantized
 
@@ -486,12 +560,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), name="parent-watch", daemon=True).start()
     engine = make_engine(args)
-    app = build_app(engine, args.served_model_name or str(args.model), max_body_bytes=args.max_body_bytes)
+    app = build_app(engine, args.served_model_name or str(args.model), max_body_bytes=args.max_body_bytes,
+                    api_key=args.api_key, loopback_only=is_loopback(args.host))
+    threading.Thread(target=_exit_if_engine_dies, args=(engine,), name="engine-watch", daemon=True).start()
     print(f"enginelib serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections)
     finally:
         engine.shutdown()
+    if engine.error is not None:  # a supervisor (systemd, Kubernetes) restarts a process that exits non-zero
+        raise SystemExit(f"the engine loop stopped: {engine.error!r}")
+
+
+def _exit_if_engine_dies(engine: AsyncEngine) -> None:
+    """When the engine loop stops on an error, stop the server too (uvicorn's clean shutdown on SIGTERM), as
+    vLLM does: /health already answers 503, and a live process with a dead engine would serve only errors."""
+    engine.join()
+    if engine.error is not None:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _exit_with_parent(parent: int, every: float = 1.0) -> None:

@@ -105,6 +105,10 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the loop thread ends (shut down, or stopped by an error: see ``error``)."""
+        self._thread.join(timeout)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop thread (requests still in flight are aborted)."""
         self._stopping = True

@@ -1,0 +1,185 @@
+"""The server's door and its robustness, in process: the ASGI app over the real engine, called directly.
+
+The key, the media type and the Host header are checked before a route reads
+anything; every error is OpenAI's error object; and thousands of generated
+bodies (wrong types, huge and tiny numbers, odd unicode, nesting) never stop the
+engine: after each, a normal request succeeds and every block is free.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from enginelib.config import EngineConfig
+from enginelib.core.engine import Engine
+from enginelib.serve.app import build_app
+from enginelib.serve.async_engine import AsyncEngine
+
+MODEL = "smollm2-135m"
+KEY = "sekrit"
+GOOD = {"model": MODEL, "prompt": "The sea is", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def served(real):
+    engine = AsyncEngine(Engine(*real, EngineConfig(num_blocks=64)), max_waiting=None)
+    yield engine, build_app(engine, MODEL, api_key=KEY, loopback_only=True)
+    engine.shutdown()
+
+
+@dataclass
+class Answer:
+    status_code: int
+    headers: dict[str, str]
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+    def json(self):
+        return json.loads(self.content)
+
+
+async def asgi(app, method: str, path: str, body: bytes, headers: dict[str, str]) -> Answer:
+    """One HTTP request through an ASGI app, the way a server would pass it in (the whole body at once)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items() if v],
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    sent = False
+    answer = Answer(0, {}, b"")
+    finished = asyncio.Event()
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await finished.wait()  # the client stays until the answer is complete
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            answer.status_code = message["status"]
+            answer.headers = {k.decode(): v.decode() for k, v in message.get("headers", [])}
+        elif message["type"] == "http.response.body":
+            answer.content += message.get("body", b"")
+            if not message.get("more_body"):
+                finished.set()
+    await app(scope, receive, send)
+    return answer
+
+
+def call(app, method: str, path: str, *, body: bytes | None = None, headers: dict | None = None) -> Answer:
+    """One request through the app, as a client on loopback with the key would send it (unless overridden)."""
+    base = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", "Host": "127.0.0.1:8000"}
+    return asyncio.run(asgi(app, method, path, body or b"", base | (headers or {})))
+
+
+def is_openai_error(response: Answer, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert code is None or error["code"] == code, error
+    return error
+
+
+def test_the_key_is_required_on_v1_but_not_on_health(served):
+    _, app = served
+    is_openai_error(call(app, "GET", "/v1/models", headers={"Authorization": ""}), 401, "invalid_api_key")
+    is_openai_error(call(app, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    assert call(app, "GET", "/v1/models").status_code == 200
+    assert call(app, "GET", "/health", headers={"Authorization": ""}).status_code == 200
+
+
+def test_a_body_that_is_not_declared_json_is_refused_before_it_is_read(served):
+    """A web page can POST text/plain to loopback without asking first; it cannot send application/json."""
+    _, app = served
+    body = json.dumps(GOOD).encode()
+    for media in ("text/plain", "application/x-www-form-urlencoded", ""):
+        is_openai_error(call(app, "POST", "/v1/completions", body=body, headers={"Content-Type": media}), 415,
+                        "unsupported_media_type")
+    assert call(app, "POST", "/v1/completions", body=body,
+                headers={"Content-Type": "application/json; charset=utf-8"}).status_code == 200
+
+
+def test_a_rebound_host_name_is_refused_on_loopback(served):
+    _, app = served
+    is_openai_error(call(app, "GET", "/v1/models", headers={"Host": "evil.example"}), 400, "invalid_host")
+    for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
+        assert call(app, "GET", "/v1/models", headers={"Host": host}).status_code == 200, host
+
+
+def test_every_error_is_an_openai_error_object(served):
+    _, app = served
+    is_openai_error(call(app, "GET", "/v1/nothing"), 404)
+    is_openai_error(call(app, "GET", "/v1/completions"), 405)
+    is_openai_error(call(app, "POST", "/v1/completions", body=json.dumps(GOOD | {"model": "gpt-4o"}).encode()),
+                    404, "model_not_found")
+    is_openai_error(call(app, "POST", "/v1/completions", body=json.dumps(GOOD | {"max_tokens": "x" * 900_000}).encode()),
+                    400)
+
+
+def test_a_refused_value_is_not_echoed_whole(served):
+    _, app = served
+    response = call(app, "POST", "/v1/completions", body=json.dumps(GOOD | {"model": "m" * 500_000}).encode())
+    is_openai_error(response, 404)
+    assert len(response.content) < 1000
+
+
+# --- the fuzz test ---------------------------------------------------------------------------
+
+scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
+           | st.text(max_size=20))
+anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                              max_size=3),
+                        max_leaves=6)
+small_numbers = st.floats(-1e-30, 1e-30) | st.sampled_from([0, 1e-38, 1e-6, 0.5, 1, 2, 1e308, -0.0])
+BODY = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL, MODEL, MODEL, "gpt-4o", ""]) | anything,
+     "max_tokens": st.integers(1, 3) | st.integers(-3, 0) | st.sampled_from([2**64, 10**9]) | anything},
+    optional={"prompt": st.text(max_size=30) | st.lists(st.integers(-5, 60_000), max_size=6) | anything,
+              "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
+                                                          "content": st.text(max_size=20) | anything}), max_size=2)
+              | anything,
+              "temperature": small_numbers | anything, "top_p": small_numbers | anything,
+              "top_k": st.integers(-3, 60_000) | anything, "seed": st.integers(-2**65, 2**65) | anything,
+              "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=20) | anything,
+              "stop_token_ids": st.lists(st.integers(-2, 60_000), max_size=3) | anything,
+              "stream": st.booleans() | anything, "ignore_eos": st.booleans(), "n": st.integers(0, 3),
+              "logprobs": st.booleans() | st.integers(0, 3), "best_of": st.integers(0, 3),
+              "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | anything,
+              "include_stop_str_in_output": st.booleans() | anything})
+
+
+def _idle(engine: AsyncEngine, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats
+        if s.running == 0 and s.waiting == 0 and s.pool.used == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@settings(max_examples=int(os.environ.get("ENGINELIB_FUZZ_EXAMPLES", "400")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(body=BODY, chat=st.booleans(), junk=st.sampled_from([None, b"", b"{", b"\xff\xfe", b"[]", b"null"]))
+def test_no_generated_body_stops_the_engine(served, body, chat, junk):
+    engine, app = served
+    raw = junk if junk is not None else json.dumps(body).encode()
+    response = call(app, "POST", "/v1/chat/completions" if chat else "/v1/completions", body=raw)
+    assert response.status_code in (200, 400, 404, 413, 422), response.text[:300]
+    if response.status_code != 200:
+        is_openai_error(response, response.status_code)
+    assert engine.is_running, engine.error
+    assert _idle(engine), engine.stats
+    assert call(app, "POST", "/v1/completions", body=json.dumps(GOOD).encode()).status_code == 200
