@@ -290,5 +290,5 @@ def test_the_eager_engine_can_attend_with_the_decode_kernel(real_f32, tiny, agre
 
     fused = EngineConfig(num_blocks=64, cpu_decode_kernel=True)
     agree(model, prompts, run(fused), run(EngineConfig(num_blocks=64)))
-    with pytest.raises(ValueError, match="cpu_decode_kernel: enginelib's C\\+\\+ kernels run float32 on a CPU, not bfloat16"):
+    with pytest.raises(ValueError, match="cpu_decode_kernel cannot be used here: enginelib's C\\+\\+ kernels run float32 on a CPU, not bfloat16"):
         Engine(tiny.to(torch.bfloat16), tok, fused)

@@ -182,5 +182,5 @@ def _check_decode_kernel(model: Transformer) -> None:
 
     reason = cpu_kernels.unavailable(model.device, model.dtype)
     if reason:
-        raise ValueError(f"cpu_decode_kernel: {reason}: leave it off here")
+        raise ValueError(f"cpu_decode_kernel cannot be used here: {reason}")
     cpu_kernels.load()  # a failed build raises RuntimeError with the compiler's last lines

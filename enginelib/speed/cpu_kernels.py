@@ -34,7 +34,6 @@ uses ``-ffp-contract=off``, so the compiler fuses nothing on its own), so a
 row gives the same bits alone or in any batch: batched greedy decoding equals
 one request at a time.
 
-
 The C++ lives in ``csrc/`` next to this file (shipped as package data): ``linear.cpp`` (int8/int4 times
 float32), ``q8.cpp`` (the q8 twins), ``attention.cpp`` (:func:`decode_attention`) and ``common.h``. Each
 AVX2 path is compiled under ``#ifdef __AVX2__`` and each fused multiply-add under ``#ifdef __FMA__`` (else a
