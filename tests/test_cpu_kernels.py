@@ -153,7 +153,8 @@ def test_a_failed_build_raises_with_the_compilers_words(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "CSRC", broken)
     cpu_kernels._load.cache_clear()  # the real build stays loaded; the next load() finds it again
     q = quantize_weight(weight(8, 64, seed=1), "int8")
-    with pytest.raises(RuntimeError, match="(?s)building enginelib's CPU kernels failed.*enginelib_test_broken_build.h"):
+    failed = "(?s)building enginelib's CPU kernels failed.*enginelib_test_broken_build.h"
+    with pytest.raises(RuntimeError, match=failed):
         cpu_kernels.int8_linear(torch.randn(2, 64), q.data, q.scale)
     reason = kernel_unavailable("cpp", "int4", (96, 64), CPU)
     assert "building enginelib's CPU kernels failed" in reason and "enginelib_test_broken_build.h" in reason
@@ -290,5 +291,6 @@ def test_the_eager_engine_can_attend_with_the_decode_kernel(real_f32, tiny, agre
 
     fused = EngineConfig(num_blocks=64, cpu_decode_kernel=True)
     agree(model, prompts, run(fused), run(EngineConfig(num_blocks=64)))
-    with pytest.raises(ValueError, match="cpu_decode_kernel cannot be used here: enginelib's C\\+\\+ kernels run float32 on a CPU, not bfloat16"):
+    refused = "cpu_decode_kernel cannot be used here: enginelib's C\\+\\+ kernels run float32 on a CPU, not bfloat16"
+    with pytest.raises(ValueError, match=refused):
         Engine(tiny.to(torch.bfloat16), tok, fused)

@@ -130,16 +130,19 @@ void attend_head(const float* qi, const float* ki, const float* vi, const int64_
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
                             at::Tensor& v_pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
                             bool simd) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [S, H, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
+              "q must be contiguous float32 [S, H, D]");
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous() && t->size(0) == q.size(0) &&
-                t->size(1) == k_pool.size(2) && t->size(2) == q.size(2), "k and v must be contiguous float32 [S, KV, D]");
+                t->size(1) == k_pool.size(2) && t->size(2) == q.size(2),
+                "k and v must be contiguous float32 [S, KV, D]");
   for (const at::Tensor* t : {&k_pool, &v_pool})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->is_contiguous() && t->sizes() == k_pool.sizes(),
                 "k_pool and v_pool must be contiguous float32 [num_blocks, block_size, KV, D]");
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t NB = k_pool.size(0), BS = k_pool.size(1), KV = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == D && H % KV == 0, "q has ", H, " heads of ", D, ", the cache ", KV, " of ", k_pool.size(3));
+  TORCH_CHECK(k_pool.size(3) == D && H % KV == 0, "q has ", H, " heads of ", D, ", the cache ", KV, " of ",
+              k_pool.size(3));
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == S &&
               block_tables.is_contiguous(), "block_tables must be contiguous int64 [S, max_blocks]");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.numel() == S && context_lens.is_contiguous(),

@@ -168,7 +168,8 @@ void check_int4(const at::Tensor& codes, const at::Tensor& scale, const at::Tens
               "codes must be contiguous uint8 [N, K/32, 16]");
   for (const at::Tensor* t : {&scale, &minimum})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 2 && t->size(0) == codes.size(0) &&
-                t->size(1) == codes.size(1) && t->is_contiguous(), "scale and minimum must be contiguous float16 [N, K/32]");
+                t->size(1) == codes.size(1) && t->is_contiguous(),
+                "scale and minimum must be contiguous float16 [N, K/32]");
 }
 
 }  // namespace
