@@ -1,9 +1,13 @@
 """Our C++ int8/int4 kernels (enginelib/speed/cpu_kernels.py): equal to the plain-PyTorch reference up to float32
-rounding on every tile shape, in the AVX2 path and the plain fallback, inside torch.compile, and when they
-cannot be built the reason names the fix."""
+rounding on every tile shape, in the AVX2 path and the plain fallback, inside torch.compile; asking whether they
+can run builds nothing, a CPU without AVX2 gets one sentence everywhere, and when they cannot be built the reason
+names the fix."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -12,7 +16,8 @@ from enginelib.speed import cpu_kernels
 from enginelib.speed.quant import QuantLinear, kernel_unavailable, quantize, quantize_weight
 
 CPU = torch.device("cpu")
-# Builds the kernels (once per source, then cached). On CI ($CI set) a missing compiler or ninja fails the tests.
+# The first kernel call builds them (once per source, compiler, Python and torch, then cached on disk). On CI
+# ($CI set) a missing compiler or ninja fails the tests.
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None and not os.environ.get("CI"),
                                 reason=f"the C++ kernels cannot be built here: {cpu_kernels.unavailable()}")
 
@@ -123,9 +128,7 @@ def test_quantized_model_compiles_and_gives_the_same_logits(tiny):
 
 
 def test_unavailable_names_the_fix_and_auto_skips_it(tiny, monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernels, "_module", None)
-    monkeypatch.setattr(cpu_kernels, "_failure", None)
-    real_which = cpu_kernels.shutil.which
+    real_which = shutil.which
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda tool: None if tool == cpu_kernels.compiler() else
                         real_which(tool))
     reason = kernel_unavailable("cpp", "int8", (96, 64), CPU)
@@ -137,13 +140,85 @@ def test_unavailable_names_the_fix_and_auto_skips_it(tiny, monkeypatch, tmp_path
     assert "apt-get install g++" in auto.quant_info.skipped["cpp"]  # auto says why it ran without it
     assert "runs on cpu, not cuda" in kernel_unavailable("cpp", "int8", (96, 64), torch.device("cuda"))
 
-    # a build that fails: the reason carries the compiler's own words
-    monkeypatch.setattr(cpu_kernels.shutil, "which", real_which)
-    monkeypatch.setattr(cpu_kernels, "CACHE", tmp_path)
+
+def test_a_failed_build_raises_with_the_compilers_words(monkeypatch, tmp_path):
+    """The build happens at the first kernel call; a failure raises there, with the compiler's last lines
+    (and quant's kernel choice, which builds before it times, gives the same words as its reason)."""
+    monkeypatch.setenv("ENGINELIB_CACHE", str(tmp_path / "cache"))
+    broken = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, broken)
     # (a missing header stops the compiler at once; an #error would let it read all of torch's headers first)
-    monkeypatch.setattr(cpu_kernels, "SOURCE", '#include "enginelib_test_broken_build.h"\n' + cpu_kernels.SOURCE)
+    source = broken / cpu_kernels.SOURCES[0]
+    source.write_text('#include "enginelib_test_broken_build.h"\n' + source.read_text())
+    monkeypatch.setattr(cpu_kernels, "CSRC", broken)
+    cpu_kernels._load.cache_clear()  # the real build stays loaded; the next load() finds it again
+    q = quantize_weight(weight(8, 64, seed=1), "int8")
+    failed = "(?s)building enginelib's CPU kernels failed.*enginelib_test_broken_build.h"
+    with pytest.raises(RuntimeError, match=failed):
+        cpu_kernels.int8_linear(torch.randn(2, 64), q.data, q.scale)
     reason = kernel_unavailable("cpp", "int4", (96, 64), CPU)
     assert "building enginelib's CPU kernels failed" in reason and "enginelib_test_broken_build.h" in reason
+
+
+def test_asking_whether_they_can_run_never_builds(monkeypatch, tmp_path):
+    """unavailable() answers from the device, the dtype, the CPU's flags and $PATH: no compiler runs, no
+    build folder appears, even with an empty cache."""
+    monkeypatch.setenv("ENGINELIB_CACHE", str(tmp_path))
+    cpu_kernels._load.cache_clear()
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"unavailable() started a process: {args}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    assert cpu_kernels.unavailable() is None and cpu_kernels.unavailable("cpu", torch.float32) is None
+    assert cpu_kernels.unavailable(torch.device("cpu"), torch.bfloat16) == (
+        "enginelib's C++ kernels run float32 on a CPU, not bfloat16 on cpu")
+    assert cpu_kernels.unavailable("cuda", torch.float32).endswith("not float32 on cuda")
+    assert cpu_kernels.unavailable("cuda").endswith("not on cuda")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("machine,flags", [("x86_64", "flags : fpu sse sse2 avx f16c"),  # an AVX (not AVX2) CPU
+                                           ("x86_64", "flags : fpu sse2 avx avx2 f16c"),  # AVX2 without FMA
+                                           ("aarch64", "Features : fp asimd evtstrm aes crc32")])
+def test_a_cpu_without_avx2_gets_the_one_sentence_everywhere(tiny, monkeypatch, machine, flags):
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: machine)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
+    cpu_kernels._load.cache_clear()
+    from enginelib.core.runner import _check_decode_kernel
+    from enginelib.speed.compiled import compile_unavailable
+    from enginelib.speed.speculative import compile_draft_unavailable
+
+    assert cpu_kernels.unavailable() == cpu_kernels.unavailable("cpu", torch.float32) == cpu_kernels.NO_AVX2
+    one = re.escape(cpu_kernels.NO_AVX2)
+    q = quantize_weight(weight(8, 64, seed=1), "int8")
+    with pytest.raises(RuntimeError, match=one):
+        cpu_kernels.int8_linear(torch.randn(2, 64), q.data, q.scale)
+    with pytest.raises(RuntimeError, match=one):
+        cpu_kernels.has_simd()
+    assert kernel_unavailable("cpp_q8", "int4", (96, 64), CPU) == cpu_kernels.NO_AVX2
+    with pytest.raises(ValueError, match=one):
+        _check_decode_kernel(tiny)
+    assert compile_draft_unavailable(tiny) == (compile_unavailable(CPU) or cpu_kernels.NO_AVX2)
+
+
+def test_the_build_key_changes_with_the_compiler_python_and_torch(monkeypatch, tmp_path):
+    real = subprocess.run([cpu_kernels.compiler(), "--version"], capture_output=True, text=True, check=True).stdout
+    assert cpu_kernels.compiler_version() == real.splitlines()[0]  # e.g. "c++ (Debian 12.2.0-14) 12.2.0"
+    monkeypatch.setenv("ENGINELIB_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "compiler_version", lambda: "c++ (Debian 12.2.0-14) 12.2.0")
+    monkeypatch.setattr(cpu_kernels, "python_abi", lambda: "cpython-311-x86_64-linux-gnu")
+    first = cpu_kernels.build_dir()
+    assert first.parent == tmp_path / "kernels" and first == cpu_kernels.build_dir()
+    monkeypatch.setattr(cpu_kernels, "compiler_version", lambda: "c++ (Debian 14.2.0-19) 14.2.0")
+    second = cpu_kernels.build_dir()
+    monkeypatch.setattr(cpu_kernels, "python_abi", lambda: "cpython-312-x86_64-linux-gnu")
+    third = cpu_kernels.build_dir()
+    assert len({first, second, third}) == 3
+    base = (b"source", "g++ 12", "cpython-311", "2.13.0", "flags : avx2 fma")
+    changed = {cpu_kernels.build_key(*base[:i], other, *base[i + 1:])
+               for i, other in enumerate((b"source2", "g++ 13", "cpython-312", "2.14.0", "flags : avx2"))}
+    assert cpu_kernels.build_key(*base) not in changed and len(changed) == 5
 
 
 def test_engine_batch_equals_each_request_alone(real_f32):
@@ -216,5 +291,6 @@ def test_the_eager_engine_can_attend_with_the_decode_kernel(real_f32, tiny, agre
 
     fused = EngineConfig(num_blocks=64, cpu_decode_kernel=True)
     agree(model, prompts, run(fused), run(EngineConfig(num_blocks=64)))
-    with pytest.raises(ValueError, match="cpu_decode_kernel runs float32 on a CPU, not bfloat16"):
+    refused = "cpu_decode_kernel cannot be used here: enginelib's C\\+\\+ kernels run float32 on a CPU, not bfloat16"
+    with pytest.raises(ValueError, match=refused):
         Engine(tiny.to(torch.bfloat16), tok, fused)

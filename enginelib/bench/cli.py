@@ -243,7 +243,7 @@ def _measure(args: argparse.Namespace, systems: tuple[str, ...], served: str | N
     report["ratios"] |= {"single_stream_vs_llama_cpp": None, "decode_b32_vs_llama_cpp": None}
     if peer is not None:
         # on a CPU in float32, decode steps attend in our C++ kernel (keys read where they lie, no gather for SDPA)
-        decode_kernel = model.device.type == "cpu" and model.dtype == torch.float32 and cpu_kernels.unavailable() is None
+        decode_kernel = cpu_kernels.unavailable(model.device, model.dtype) is None
 
         def engine_step(batch: int, new_tokens: int) -> float:
             return decode_step_time(model, tok, batch, new_tokens, decode_kernel)[0]

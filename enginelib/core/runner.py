@@ -176,11 +176,11 @@ class ModelRunner:
 
 
 def _check_decode_kernel(model: Transformer) -> None:
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        raise ValueError(f"cpu_decode_kernel runs float32 on a CPU, not {str(model.dtype).removeprefix('torch.')} "
-                         f"on {model.device.type}: leave it off there")
-    from enginelib.speed import cpu_kernels
+    """Refuse ``cpu_decode_kernel`` where the kernels cannot run, then build them: the paged cache calls the
+    operator directly (core imports no speed code), so it must be registered before the first decode step."""
+    from enginelib.speed import cpu_kernels  # here, not at the top: a plain engine loads no speed code
 
-    reason = cpu_kernels.unavailable()
+    reason = cpu_kernels.unavailable(model.device, model.dtype)
     if reason:
-        raise ValueError(f"cpu_decode_kernel needs enginelib's C++ kernels: {reason}")
+        raise ValueError(f"cpu_decode_kernel cannot be used here: {reason}")
+    cpu_kernels.load()  # a failed build raises RuntimeError with the compiler's last lines

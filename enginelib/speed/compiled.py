@@ -255,8 +255,9 @@ class CompiledDecoder:
         setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 8 * len(config.batch_sizes)))
         options = _options(config, model.device)
         # on a CPU in float32, attention reads the paged cache in our C++ kernel (no gather, no mask, no SDPA call)
-        self.fused_attention = (model.device.type == "cpu" and model.dtype == torch.float32
-                                and cpu_kernels.unavailable() is None)
+        self.fused_attention = cpu_kernels.unavailable(model.device, model.dtype) is None
+        if self.fused_attention:
+            cpu_kernels.load()  # the traced step calls the operator itself: built and registered first
         forward = self._forward_fused if self.fused_attention else self._forward
         # on a CPU, inductor through a backend that keeps what it builds, so that traced buckets can be called
         # directly (CUDA, untested that way here, keeps torch.compile's own inductor backend)

@@ -405,7 +405,7 @@ def kernel_unavailable(name: str, fmt: str, shape: tuple[int, int], device: torc
     if name == "cpp_q8" and shape[1] % GROUP_SIZE:
         return f"kernel 'cpp_q8' rounds activations in groups of {GROUP_SIZE}: the input size {shape[1]} is not a multiple"
     if name in ("cpp", "cpp_q8"):  # builds the kernels the first time it is asked (then cached on disk)
-        return cpu_kernels.unavailable()
+        return cpu_kernels.build_failure(device)
     return None
 
 

@@ -217,10 +217,8 @@ def _as_pool(cache: ContiguousKVCache) -> _Pool:
 
 def compile_draft_unavailable(draft: Transformer) -> str | None:
     """Why ``compile_draft`` cannot work for ``draft`` here (None: it can)."""
-    reason = compile_unavailable(draft.device)
-    if reason is None and not (draft.device.type == "cpu" and draft.dtype == torch.float32):
-        reason = "a compiled draft runs on a CPU in float32 (its step reads the cache in our C++ attention)"
-    return reason or cpu_kernels.unavailable()
+    # a compiled draft's step reads the cache in our C++ attention: float32 on a CPU, with the kernels
+    return compile_unavailable(draft.device) or cpu_kernels.unavailable(draft.device, draft.dtype)
 
 
 def _compiled_draft(draft: Transformer) -> CompiledDecoder:

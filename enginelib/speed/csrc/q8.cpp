@@ -1,0 +1,283 @@
+// The q8 kernels: the activations rounded to int8 per group of 32 and integer products, as llama.cpp does,
+// with the weights interleaved in blocks of 4 rows (enginelib.speed.cpu_kernels.int8q8_linear, int4q8_linear).
+#include "common.h"
+
+namespace {
+
+// ---------------------------------------------------------------- activations rounded to int8 (the q8 kernels)
+
+// Each row's groups of 32 as int8 codes qx and one float scale dx (x ~ qx * dx, |qx| <= 127), and the
+// sum of the *rounded* group, dx * sum(qx), for int4's minimum term: both terms then multiply the same
+// rounded x, whose error meets the zero-centred weight (c * s + m), not the all-positive codes c alone.
+// (GGUF's Q8_1 blocks keep the same sum.) The SIMD and plain paths share these codes.
+void quantize_x(const float* x, int8_t* qx, float* dx, float* xsum, int64_t groups) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * GROUP;
+    float amax = 0.f;
+    for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xg[j]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      qx[g * GROUP + j] = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+      sum += qx[g * GROUP + j];
+    }
+    dx[g] = d;
+    xsum[g] = d * float(sum);
+  }
+}
+
+// The q8 kernels' weight layout: output rows in blocks of ROWS, and inside a block group by group, the
+// ROWS rows' group g side by side: int8 [blocks, G, ROWS, 32]; int4 codes [blocks, G, ROWS, 16], scales and
+// minimums [blocks, G, ROWS]. A tile of ROWS outputs then reads its weights as one sequential stream (three
+// for int4), which the CPU prefetches well: with each row's bytes in its own place, 4 rows are 4-12 short
+// streams, and the same GEMV read memory at half the speed. The last block's missing rows are zeros.
+constexpr int64_t ROWS = 4;
+
+inline int64_t at_row(int64_t n, int64_t g, int64_t G) { return ((n / ROWS) * G + g) * ROWS + n % ROWS; }
+
+// scale: one float32 per row; or, where group_scale is given, one float16 per group of 32 (q8_0, GGUF's
+// Q8_0), laid out as the codes
+void int8q8_plain(const int8_t* qx, const float* dx, const int8_t* q, const float* scale,
+                  const uint16_t* group_scale, float* y, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {
+  const int64_t G = K / GROUP;
+  for (int64_t n = b0 * ROWS; n < std::min(N, b1 * ROWS); ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at = at_row(n, g, G);
+        const int8_t* w = q + at * GROUP;
+        int32_t dot = 0;
+        for (int64_t j = 0; j < GROUP; ++j) dot += int32_t(qx[m * K + g * GROUP + j]) * w[j];
+        acc += float(dot) * (group_scale ? half_to_float(group_scale[at]) * dx[m * G + g] : dx[m * G + g]);
+      }
+      y[m * N + n] = group_scale ? acc : acc * scale[n];
+    }
+}
+
+void int4q8_plain(const int8_t* qx, const float* dx, const float* xsum, const uint8_t* codes, const uint16_t* scale,
+                  const uint16_t* minimum, float* y, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {
+  const int64_t G = K / GROUP;
+  for (int64_t n = b0 * ROWS; n < std::min(N, b1 * ROWS); ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at = at_row(n, g, G);
+        const uint8_t* b = codes + at * 16;
+        const int8_t* xg = qx + m * K + g * GROUP;
+        int32_t dot = 0;
+        for (int j = 0; j < 16; ++j) dot += int32_t(xg[j]) * (b[j] & 15) + int32_t(xg[j + 16]) * (b[j] >> 4);
+        acc += half_to_float(scale[at]) * dx[m * G + g] * float(dot) + half_to_float(minimum[at]) * xsum[m * G + g];
+      }
+      y[m * N + n] = acc;
+    }
+}
+
+#ifdef __AVX2__
+// The q8 tiles: integer products of 32 codes with 32 rounded activations per instruction pair
+// (maddubs: unsigned x signed bytes -> pairs summed to int16; madd with ones -> 8 int32), one float
+// multiply-add per group with the two scales, as llama.cpp's Q4_1 x Q8_1 dot product. A tile is MR
+// activation rows by one block of ROWS output rows, in the layout above; each output adds its terms in
+// the same order whatever MR is, so a row gives the same bits alone or in a batch.
+inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// one group's 16 bytes -> its 32 codes (low nibbles: codes 0-15, high: 16-31)
+inline __m256i nibbles(const uint8_t* b) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+}
+
+inline __m128 halves4(const uint16_t* p) {  // a block's 4 float16 (one group of its 4 rows) -> 4 float32
+#ifdef __F16C__
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  return _mm_setr_ps(half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]), half_to_float(p[3]));
+#endif
+}
+
+// GROUPED (q8_0): per group, the block's 4 float16 scales times the activation's, as llama.cpp's Q8_0 x Q8_0
+template <int MR, bool GROUPED>
+void int8q8_tile(const int8_t* qx, const float* dx, const int8_t* q, const float* scale, const uint16_t* group_scale,
+                 float* y, int64_t N, int64_t K, int64_t m0, int64_t b) {
+  const int64_t G = K / GROUP;
+  const int8_t* wb = q + b * G * ROWS * GROUP;  // the block's weights, in the order they are read
+  __m256 acc[MR][ROWS];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < ROWS; ++j) acc[i][j] = _mm256_setzero_ps();
+  alignas(16) float d[MR][ROWS];  // GROUPED: this group's scale x activation scale, per activation and output row
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i x[MR];
+    __m256 dxi[MR];
+    for (int i = 0; i < MR; ++i) {
+      x[i] = load32(qx + (m0 + i) * K + g * GROUP);
+      if (GROUPED)
+        _mm_store_ps(d[i], _mm_mul_ps(halves4(group_scale + (b * G + g) * ROWS), _mm_set1_ps(dx[(m0 + i) * G + g])));
+      else
+        dxi[i] = _mm256_broadcast_ss(dx + (m0 + i) * G + g);
+    }
+    for (int j = 0; j < ROWS; ++j) {
+      const __m256i w = load32(wb + (g * ROWS + j) * GROUP);
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned; its sign moves onto x
+      for (int i = 0; i < MR; ++i)
+        acc[i][j] = fmadd(_mm256_cvtepi32_ps(dot_u8_s8(aw, _mm256_sign_epi8(x[i], w))),
+                                    GROUPED ? _mm256_broadcast_ss(&d[i][j]) : dxi[i], acc[i][j]);
+    }
+  }
+  for (int j = 0; j < ROWS && b * ROWS + j < N; ++j)
+    for (int i = 0; i < MR; ++i)
+      y[(m0 + i) * N + b * ROWS + j] = GROUPED ? hsum(acc[i][j]) : hsum(acc[i][j]) * scale[b * ROWS + j];
+}
+
+// int4: per group, the block's 4 scales and 4 minimums in one float16 conversion each; the minimums' share
+// (minimum x sum of x) of all 4 outputs in one multiply-add, kept apart from the codes' sums until the end
+template <int MR>
+void int4q8_tile(const int8_t* qx, const float* dx, const float* xsum, const uint8_t* codes, const uint16_t* scale,
+                 const uint16_t* minimum, float* y, int64_t N, int64_t K, int64_t m0, int64_t b) {
+  const int64_t G = K / GROUP;
+  const uint8_t* cb = codes + b * G * ROWS * 16;
+  const uint16_t* sb = scale + b * G * ROWS;
+  const uint16_t* mb = minimum + b * G * ROWS;
+  __m256 acc[MR][ROWS];
+  __m128 mins[MR];
+  for (int i = 0; i < MR; ++i) {
+    mins[i] = _mm_setzero_ps();
+    for (int j = 0; j < ROWS; ++j) acc[i][j] = _mm256_setzero_ps();
+  }
+  alignas(16) float d[MR][ROWS];  // this group's scale x activation scale, per activation row and output row
+  for (int64_t g = 0; g < G; ++g) {
+    const __m128 s = halves4(sb + g * ROWS), mn = halves4(mb + g * ROWS);
+    __m256i x[MR];
+    for (int i = 0; i < MR; ++i) {
+      _mm_store_ps(d[i], _mm_mul_ps(s, _mm_set1_ps(dx[(m0 + i) * G + g])));
+      mins[i] = fmadd(mn, _mm_set1_ps(xsum[(m0 + i) * G + g]), mins[i]);
+      x[i] = load32(qx + (m0 + i) * K + g * GROUP);
+    }
+    for (int j = 0; j < ROWS; ++j) {
+      const __m256i c = nibbles(cb + (g * ROWS + j) * 16);
+      for (int i = 0; i < MR; ++i)
+        acc[i][j] = fmadd(_mm256_cvtepi32_ps(dot_u8_s8(c, x[i])), _mm256_broadcast_ss(&d[i][j]), acc[i][j]);
+    }
+  }
+  alignas(16) float mo[MR][ROWS];
+  for (int i = 0; i < MR; ++i) _mm_store_ps(mo[i], mins[i]);
+  for (int j = 0; j < ROWS && b * ROWS + j < N; ++j)
+    for (int i = 0; i < MR; ++i) y[(m0 + i) * N + b * ROWS + j] = hsum(acc[i][j]) + mo[i][j];
+}
+
+template <bool GROUPED> struct Int8Q8Tile {
+  template <int MR> static void run(const int8_t* qx, const float* dx, const int8_t* q, const float* s,
+                                    const uint16_t* gs, float* y, int64_t N, int64_t K, int64_t m, int64_t b) {
+    int8q8_tile<MR, GROUPED>(qx, dx, q, s, gs, y, N, K, m, b);
+  }
+};
+struct Int4Q8Tile {
+  template <int MR> static void run(const int8_t* qx, const float* dx, const float* xs, const uint8_t* c,
+                                    const uint16_t* s, const uint16_t* mn, float* y, int64_t N, int64_t K,
+                                    int64_t m, int64_t b) {
+    int4q8_tile<MR>(qx, dx, xs, c, s, mn, y, N, K, m, b);
+  }
+};
+
+// Blocks b0:b1, L1_BLOCKS at a time (their weights are read from memory once, then from L1 for each tile of
+// activation rows), two activation rows a tile (the last row of an odd batch alone).
+constexpr int64_t L1_BLOCKS = 4;
+
+template <class Tile, typename... A>
+void q8_tiles(int64_t M, int64_t b0, int64_t b1, A... args) {
+  for (int64_t c = b0; c < b1; c += L1_BLOCKS) {
+    const int64_t c1 = std::min(c + L1_BLOCKS, b1);
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2)
+      for (int64_t b = c; b < c1; ++b) Tile::template run<2>(args..., m, b);
+    for (; m < M; ++m)
+      for (int64_t b = c; b < c1; ++b) Tile::template run<1>(args..., m, b);
+  }
+}
+#endif  // __AVX2__
+
+// The q8 kernels: x rounded to int8 per group of 32 first (once per call, not per output row).
+struct RoundedX {
+  at::Tensor qx, dx, xsum;  // [M, K] int8, [M, G] float32 (scales), [M, G] float32 (sums)
+  explicit RoundedX(const at::Tensor& x) {
+    const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
+    TORCH_CHECK(K % GROUP == 0, "the q8 kernels need K to be a multiple of ", GROUP, ", got ", K);
+    qx = at::empty({M, K}, x.options().dtype(at::kChar));
+    dx = at::empty({M, G}, x.options());
+    xsum = at::empty({M, G}, x.options());
+    quantize_x(x.data_ptr<float>(), qx.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>(), M * G);
+  }
+};
+
+void check_rows(const at::Tensor& w, int64_t rows, int64_t bytes) {
+  TORCH_CHECK(w.dim() == 4 && w.size(0) == (rows + ROWS - 1) / ROWS && w.size(2) == ROWS && w.size(3) == bytes &&
+              w.is_contiguous(), "the q8 kernels take weights in blocks of ", ROWS, " rows (cpu_kernels.interleave): [",
+              (rows + ROWS - 1) / ROWS, ", K/32, ", ROWS, ", ", bytes, "] for ", rows, " rows, got ", w.sizes());
+}
+
+// Output blocks per task: at least ~64K weights, as grain() above
+int64_t block_grain(int64_t K) { return std::max<int64_t>(1, grain(K) / ROWS); }
+
+// scale: float32 [N] (one per row), or float16 [N/4, K/32, 4] (one per group of 32, interleaved: q8_0)
+at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t N, bool simd) {
+  TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
+  check_rows(q, N, GROUP);
+  const bool per_group = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(per_group ? scale.dim() == 3 && scale.sizes() == q.sizes().slice(0, 3) && scale.is_contiguous()
+                        : scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
+              "scale must be contiguous float32 [", N, "] or float16 ", q.sizes().slice(0, 3));
+  const int64_t M = x.size(0), K = q.size(1) * GROUP;
+  check_x(x, K);
+  const RoundedX r(x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* qx = r.qx.data_ptr<int8_t>();
+  const float* dx = r.dx.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  const float* sp = per_group ? nullptr : scale.data_ptr<float>();
+  const uint16_t* gp = per_group ? reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()) : nullptr;
+  at::parallel_for(0, q.size(0), block_grain(K), [&](int64_t b0, int64_t b1) {
+#ifdef __AVX2__
+    if (simd && per_group) { q8_tiles<Int8Q8Tile<true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K); return; }
+    if (simd) { q8_tiles<Int8Q8Tile<false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K); return; }
+#endif
+    int8q8_plain(qx, dx, qp, sp, gp, yp, M, N, K, b0, b1);
+  });
+  return y;
+}
+
+at::Tensor int4q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                         const at::Tensor& minimum, int64_t N, bool simd) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "codes must be uint8");
+  check_rows(codes, N, 16);
+  for (const at::Tensor* t : {&scale, &minimum})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->sizes() == codes.sizes().slice(0, 3) &&
+                t->is_contiguous(), "scale and minimum must be contiguous float16 ", codes.sizes().slice(0, 3));
+  const int64_t M = x.size(0), G = codes.size(1), K = G * GROUP;
+  check_x(x, K);
+  const RoundedX r(x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* qx = r.qx.data_ptr<int8_t>();
+  const float* dx = r.dx.data_ptr<float>();
+  const float* xs = r.xsum.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, codes.size(0), block_grain(K), [&](int64_t b0, int64_t b1) {
+#ifdef __AVX2__
+    if (simd) { q8_tiles<Int4Q8Tile>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return; }
+#endif
+    int4q8_plain(qx, dx, xs, cp, sp, mp, yp, M, N, K, b0, b1);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(enginelib, CPU, m) {
+  m.impl("int8q8_linear", &int8q8_linear);
+  m.impl("int4q8_linear", &int4q8_linear);
+}
