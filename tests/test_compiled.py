@@ -38,7 +38,9 @@ def test_compiled_decode_gives_the_eager_tokens_on_the_real_model(real, agree):
     model, tok = real  # on a CPU its linears are oneDNN-packed: the compiled step gets plain ones, same weights
     prompts = [chat_ids(tok, q) for q in ("What is a KV cache?", "Name three colours.")]
     lengths = [12, 7]  # two sequences, then one padded up to the one bucket
+    limit = getattr(torch._dynamo.config, compiled.RECOMPILE_LIMIT)
     engine = Engine(model, tok, EngineConfig(compile=CompileConfig(batch_sizes=(2,))))
+    assert getattr(torch._dynamo.config, compiled.RECOMPILE_LIMIT) == limit, "raised for tracing only, then restored"
     assert set(engine.runner.compile_report.seconds) == {2} and engine.runner.compile_report.total_seconds > 0
     # on a CPU in float32 attention runs in our C++ decode kernel (the oracle below is the eager SDPA path)
     assert engine.runner.compiled.fused_attention == (DEVICE.type == "cpu" and model.dtype == torch.float32)

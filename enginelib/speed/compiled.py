@@ -40,7 +40,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,9 @@ from enginelib.core.paged_cache import PagedKVCache, check_tables
 from enginelib.model.device import unpack_linears
 from enginelib.model.transformer import Transformer
 from enginelib.speed import cpu_kernels
+
+RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+TRACING_RECOMPILE_LIMIT = 1024  # graphs per code object while a bucket traces: every decoder's buckets, all engines
 
 
 def compile_unavailable(device: torch.device | str) -> str | None:
@@ -250,9 +253,6 @@ class CompiledDecoder:
         if reason:
             raise ValueError(reason)
         self.model = unpack_linears(model)  # same weights; eager steps keep the packed linears
-        # dynamo keeps compiled graphs per code object, so every decoder's buckets count against one limit
-        name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-        setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 8 * len(config.batch_sizes)))
         options = _options(config, model.device)
         # on a CPU in float32, attention reads the paged cache in our C++ kernel (no gather, no mask, no SDPA call)
         self.fused_attention = cpu_kernels.unavailable(model.device, model.dtype) is None
@@ -291,13 +291,21 @@ class CompiledDecoder:
         return batch.num_tokens == len(batch.logits_indices) and self.bucket(batch.num_tokens) is not None
 
     def _tracing(self, size: int) -> AbstractContextManager:
-        """With ``freeze``, inductor's freezing switched on while a bucket's first call traces it, its float32
-        linears packed for oneDNN. Dynamo decides when it traces whether the weights become constants of the
-        graph or inputs passed on every call, so torch.compile's ``options`` (applied later, in inductor) come
-        too late; and patching the config costs ~0.2 ms, too much for every step."""
-        if not (self.freeze and self.calls[size] <= 1):
+        """The settings a bucket's first call traces under, for that call only (patching the config costs
+        ~0.2 ms, too much for every step, and a process-wide change would reach other code).
+
+        Dynamo keeps compiled graphs per code object, so every decoder's buckets count against one recompile
+        limit (8 by default): it is raised while tracing, when dynamo consults it. With ``freeze``, inductor's
+        freezing is on, its float32 linears packed for oneDNN: dynamo decides when it traces whether the
+        weights become constants of the graph or inputs passed on every call, so torch.compile's ``options``
+        (applied later, in inductor) come too late."""
+        if self.calls[size] > 1:
             return nullcontext()
-        return _frozen_linears_on_onednn(torch._inductor.config.patch(freezing=True))
+        settings = ExitStack()
+        settings.enter_context(torch._dynamo.config.patch({RECOMPILE_LIMIT: TRACING_RECOMPILE_LIMIT}))
+        if self.freeze:
+            settings.enter_context(_frozen_linears_on_onednn(torch._inductor.config.patch(freezing=True)))
+        return settings
 
     def _run(self, size: int, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The bucket's graph on ``args``: directly once it is traced, else through dynamo (tracing it)."""

@@ -19,8 +19,9 @@ correctness.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -222,15 +223,20 @@ def compile_draft_unavailable(draft: Transformer) -> str | None:
 
 
 def _compiled_draft(draft: Transformer) -> CompiledDecoder:
-    """The draft's batch-1 decode step, compiled once per model (kept on it: every engine's proposer shares it)."""
-    decoder = getattr(draft, "compiled_draft", None)
+    """The draft's batch-1 decode step, compiled once per model: every engine's proposer for that model shares
+    it (compiling takes tens of seconds). Remembered beside the model, not set on it; as the decoder holds the
+    model, the pair lasts as long as the process, as the model's own attribute did before."""
+    decoder = _COMPILED_DRAFTS.get(draft)
     if decoder is None:
         reason = compile_draft_unavailable(draft)
         if reason:
             raise ValueError(f"cannot compile the draft model: {reason}; use compile_draft=False")
-        decoder = draft.compiled_draft = CompiledDecoder(draft, CompileConfig(batch_sizes=(1,), cpp_wrapper=True,
-                                                                              freeze=True))
+        decoder = _COMPILED_DRAFTS[draft] = CompiledDecoder(draft, CompileConfig(batch_sizes=(1,), cpp_wrapper=True,
+                                                                                 freeze=True))
     return decoder
+
+
+_COMPILED_DRAFTS: weakref.WeakKeyDictionary[Transformer, CompiledDecoder] = weakref.WeakKeyDictionary()
 
 
 def _with_room(cache: ContiguousKVCache, tokens: int, model: Transformer) -> ContiguousKVCache:
