@@ -37,7 +37,7 @@ from enginelib.model.transformer import Transformer
 from enginelib.model.weights import DEFAULT_MODEL, load_model
 from enginelib.speed import cpu_kernels
 from enginelib.speed.compiled import compile_unavailable
-from enginelib.speed.quant import kernel_unavailable, load_quantized
+from enginelib.speed.quant import kernel_unavailable, load_quantized, quant_info
 
 if TYPE_CHECKING:
     from enginelib.serve import ServerProcess  # imported when used: the server stack is not needed offline
@@ -148,7 +148,7 @@ def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str,
     q8 = kernel_unavailable("cpp_q8", "int4", (32, 32), model.device) is None
     try:
         small, _ = load_quantized(source, "cpp_q8" if q8 else kernel, device=model.device, progress=False)
-        kernels = ", ".join(sorted(set(small.quant_info.kernels.values())))
+        kernels = ", ".join(sorted(set(quant_info(small).kernels.values())))
         small_format = f"the GGUF as stored: int4 layers, q8_0 head ({kernels} kernels)"
     except ValueError:  # not a GGUF, or its layers are not Q4_1/Q8_0
         small, small_format = int4_model(model, kernel)

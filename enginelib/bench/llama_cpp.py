@@ -35,6 +35,7 @@ from enginelib.bench.workloads import QUESTIONS, BenchRequest, Workload, _chat
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 from enginelib.model.weights import resolve
+from enginelib.speed.quant import quant_info
 
 NAME = "llama_cpp"
 INSTALL = ("pip install llama-cpp-python  (it compiles llama.cpp from source for several minutes; "
@@ -83,7 +84,7 @@ def gguf_format(path: Path) -> str:
 def engine_format(model: Transformer) -> str:
     """What the engine's linear layers hold: the dtype, or the quantized format and the head's."""
     dtype = str(model.dtype).removeprefix("torch.")
-    info = getattr(model, "quant_info", None)
+    info = quant_info(model)
     if info is None:
         return dtype
     head = "" if info.head_fmt == info.fmt else f", LM head {info.head_fmt}"

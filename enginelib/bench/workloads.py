@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from enginelib.bench.quality import shakespeare
 from enginelib.config import SamplingParams
 from enginelib.model.tokenizer import Tokenizer
 
@@ -88,8 +89,6 @@ def make_workload(name: str, tok: Tokenizer, quick: bool = False, rate: float = 
 
 def extractive_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
     """Chats that ask the model to copy a passage of the shipped Shakespeare: what prompt lookup is made for."""
-    from enginelib.speed.quant import shakespeare
-
     lines = [line.strip() for line in shakespeare().splitlines() if len(line.split()) >= 4]
     return [_chat(tok, "Repeat this passage exactly, word for word:\n\n" + "\n".join(lines[6 * i:6 * i + 6]))
             for i in range(n)]
