@@ -1,6 +1,7 @@
 """The benchmark runs end to end and writes the JSON schema other tools read."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -11,33 +12,37 @@ import pytest
 import torch
 
 from enginelib import Engine, EngineConfig, SamplingParams, SchedulerConfig, bench
-from enginelib.bench.roofline import _best_time
+from enginelib.bench.cli import parse_sections
+from enginelib.bench.roofline import best_time
 from enginelib.bench.spec_decode import compiled_target_effect
 from enginelib.speed.compiled import compile_unavailable
 from enginelib.speed.speculative import SpeculativeConfig
 
 from .conftest import DEVICE, tiny_tokenizer
 
-SCHEMA = [
+SCHEMA = [  # the core: every run has these
     "systems.engine.tok_per_s", "systems.engine.ttft_p50_s", "systems.engine.tpot_p50_s",
     "systems.kv_cache.tok_per_s", "ratios.engine_vs_naive", "ratios.engine_vs_static",
     "ratios.engine_vs_hf_static", "ratios.single_stream_vs_hf", "single_stream_roofline_frac",
     "mfu_decode_b32", "kv_waste.paged", "kv_waste.contiguous", "concurrency_ratio",
     "machine.torch", "machine.threads", "machine.device", "machine.dtype", "machine.formats.engine",
-    "machine.formats.llama_cpp", "ratios.engine_vs_llama_cpp", "ratios.single_stream_vs_llama_cpp",
+    "machine.formats.llama_cpp", "machine.sections", "ratios.engine_vs_llama_cpp", "ratios.single_stream_vs_llama_cpp",
     "ratios.decode_b32_vs_llama_cpp",
     "prefix_cache.ttft_ratio", "prefix_cache.hit_rate", "chunked_prefill.tpot_p99_ratio",
-    "serve.throughput_ratio", "serve.server_tok_per_s", "serve.offline_tok_per_s", "serve.concurrency",
-    "serve.ttft_p50", "serve.ttft_p99", "serve.tpot_p50", "serve.tpot_p99",
-    "spec_decode.speedup_b1", "spec_decode.acceptance", "spec_decode.mean_accepted_length", "spec_decode.k",
-    "spec_decode.tok_per_s", "spec_decode.tok_per_s_plain", "spec_decode.texts_equal", "spec_decode.draft",
-    "spec_decode.ngram.speedup_b1", "spec_decode.ngram.acceptance", "spec_decode.ngram.speedup_b8",
-    "spec_decode.extractive.speedup_b1", "spec_decode.extractive.acceptance",
-    *(f"quant.{fmt}.{key}" for fmt in ("int8", "int4") for key in
-      ("tok_per_s_ratio", "ppl_delta", "ppl", "bytes_per_param", "weight_bytes", "kernels")),
-    "compile.speedup_b1", "compile.tok_per_s_b1", "compile.tok_per_s_eager_b1", "compile.compile_seconds",
-    "compile.tokens_equal_b1",
 ]
+SECTION_SCHEMA = {  # the slow sections (--sections): checked where the run has them
+    "serve": ["serve.throughput_ratio", "serve.server_tok_per_s", "serve.offline_tok_per_s", "serve.concurrency",
+              "serve.ttft_p50", "serve.ttft_p99", "serve.tpot_p50", "serve.tpot_p99"],
+    "spec_decode": [
+        "spec_decode.speedup_b1", "spec_decode.acceptance", "spec_decode.mean_accepted_length", "spec_decode.k",
+        "spec_decode.tok_per_s", "spec_decode.tok_per_s_plain", "spec_decode.texts_equal", "spec_decode.draft",
+        "spec_decode.ngram.speedup_b1", "spec_decode.ngram.acceptance", "spec_decode.ngram.speedup_b8",
+        "spec_decode.extractive.speedup_b1", "spec_decode.extractive.acceptance"],
+    "quant": [f"quant.{fmt}.{key}" for fmt in ("int8", "int4") for key in
+              ("tok_per_s_ratio", "ppl_delta", "ppl", "bytes_per_param", "weight_bytes", "kernels")],
+    "compile": ["compile.speedup_b1", "compile.tok_per_s_b1", "compile.tok_per_s_eager_b1", "compile.compile_seconds",
+                "compile.tokens_equal_b1"],
+}
 
 
 def lookup(report: dict, dotted: str):
@@ -47,13 +52,19 @@ def lookup(report: dict, dotted: str):
 
 
 def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
-    # CI keeps this run's JSON as its benchmark record ($ENGINELIB_BENCH_JSON), rather than run the bench twice.
+    # CI keeps this run's JSON as its benchmark record ($ENGINELIB_BENCH_JSON), rather than run the bench twice,
+    # and asks for every slow section ($ENGINELIB_BENCH_SECTIONS=all); alone, --quick runs the core only.
     out = Path(os.environ.get("ENGINELIB_BENCH_JSON") or tmp_path / "bench.json")
-    peer = bench.llama_cpp.available()  # llama.cpp joins the default systems where llama-cpp-python is installed
-    report = bench.main(["--quick", "--naive-requests", "1", "--json", str(out)])
+    sections = os.environ.get("ENGINELIB_BENCH_SECTIONS", "none")
+    report = bench.main(["--quick", "--naive-requests", "1", "--sections", sections, "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
-    for key in SCHEMA:
+    ran = set(report["machine"]["sections"])
+    if sections == "none":
+        assert not ran, "--quick runs no slow section unless asked"
+    assert not (set(SECTION_SCHEMA) - ran) & set(report), "a section ran that was not asked for"
+    for key in SCHEMA + [key for section in ran & set(SECTION_SCHEMA) for key in SECTION_SCHEMA[section]]:
         lookup(report, key)  # present (None where a system was not run)
+    peer = "llama_cpp" in ran  # llama.cpp joins the systems with its section (where llama-cpp-python is installed)
     assert report["systems"]["engine"]["tok_per_s"] > 0
     assert report["ratios"]["engine_vs_naive"] > 1  # one request at a time, without a cache: the slowest
     assert 0 < report["kv_waste"]["paged"] < report["kv_waste"]["contiguous"] < 1
@@ -63,35 +74,14 @@ def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
     assert 0 < report["prefix_cache"]["ttft_ratio"] and 0 < report["chunked_prefill"]["tpot_p99_ratio"]
     for section in ("prefix_cache", "chunked_prefill"):  # on and off must give the same tokens
         assert "differs" not in report[section]["note"], report[section]["note"]
-    serve = report["serve"]  # our server on the same workload, 32 streams at most (all 16 quick requests at once)
-    assert serve["concurrency"] == 32 and serve["requests"] == 16 and "failed" not in serve["note"], serve["note"]
-    assert serve["throughput_ratio"] == pytest.approx(serve["server_tok_per_s"] / serve["offline_tok_per_s"])
-    assert 0 < serve["ttft_p50"] <= serve["ttft_p99"] and 0 < serve["tpot_p50"] <= serve["tpot_p99"]
-    assert serve["texts_equal"] > 0.5, "greedy: the server says what the offline engine says (near-ties aside)"
-    spec = report["spec_decode"]  # speculation vs plain, greedy: the very same texts, at any batch size
-    ngram = spec["ngram"]
-    assert spec["k"] == 4 and spec["method"] == "draft" and "int4 layers" in spec["draft"]
-    assert spec["texts_equal"] == ngram["texts_equal"] == ngram["texts_equal_b8"] == 1.0
-    assert spec["extractive"]["texts_equal"] == 1.0
-    for figures in (spec, ngram, spec["extractive"]):
-        assert figures["speedup_b1"] > 0 and math.isfinite(figures["speedup_b1"])
-        assert 0 <= figures["acceptance"] <= 1 and 0 <= figures["mean_accepted_length"] <= spec["k"]
-        assert figures["speedup_b1"] == pytest.approx(figures["tok_per_s"] / figures["tok_per_s_plain"])
-    assert ngram["speedup_b8"] > 0 and math.isfinite(ngram["speedup_b8"])
-    assert spec["acceptance"] > 0.5, "the int4 draft is the target rounded: it should mostly agree"
-    assert spec["extractive"]["acceptance"] > 0, "copying a passage: prompt lookup must find some guesses"
-    quant = report["quant"]
-    for fmt, bits in (("int8", 8), ("int4", 4)):
-        row = quant[fmt]
-        assert row["tok_per_s_ratio"] > 0 and math.isfinite(row["tok_per_s_ratio"])
-        assert row["ppl_delta"] == pytest.approx(row["ppl"] / quant["float"]["ppl"] - 1)
-        assert -0.5 < row["ppl_delta"] < 0.5, f"{fmt} perplexity {row['ppl']} far from float's {quant['float']['ppl']}"
-        assert bits / 8 <= row["bytes_per_param"] < quant["float"]["bytes_per_param"]  # scales and minimums on top
-        assert 0 < row["weight_bytes"] < quant["float"]["weight_bytes"] and row["kernels"]
-    comp = report["compile"]  # decode steps through torch.compile (bucket 1 quick): the same greedy tokens
-    assert comp["speedup_b1"] > 0 and comp["compiled_steps"] > 0
-    assert comp["tokens_equal_b1"] >= 0.5  # other float32 kernels: a near-tie may flip, a bug flips everything
-    assert set(comp["compile_seconds"]) == {"1"}
+    if "serve" in ran:
+        check_serve(report["serve"])
+    if "spec_decode" in ran:
+        check_spec_decode(report["spec_decode"])
+    if "quant" in ran:
+        check_quant(report["quant"])
+    if "compile" in ran:
+        check_compile(report["compile"])
     assert report["machine"]["formats"]["engine"] == report["machine"]["dtype"]
     if not peer:
         assert report["ratios"]["single_stream_vs_llama_cpp"] is None and "llama_cpp" not in report["systems"]
@@ -103,6 +93,47 @@ def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
     assert report["ratios"]["single_stream_vs_llama_cpp"] == pytest.approx(
         section["engine_single_stream_tok_per_s"] / section["single_stream_tok_per_s"])
     assert report["ratios"]["decode_b32_vs_llama_cpp"] > 0 and 0 <= section["texts_equal"] <= 1
+
+
+def check_serve(serve: dict) -> None:
+    """Our server on the same workload, 32 streams at most (all 16 quick requests at once)."""
+    assert serve["concurrency"] == 32 and serve["requests"] == 16 and "failed" not in serve["note"], serve["note"]
+    assert serve["throughput_ratio"] == pytest.approx(serve["server_tok_per_s"] / serve["offline_tok_per_s"])
+    assert 0 < serve["ttft_p50"] <= serve["ttft_p99"] and 0 < serve["tpot_p50"] <= serve["tpot_p99"]
+    assert serve["texts_equal"] > 0.5, "greedy: the server says what the offline engine says (near-ties aside)"
+
+
+def check_spec_decode(spec: dict) -> None:
+    """Speculation vs plain, greedy: the very same texts, at any batch size."""
+    ngram = spec["ngram"]
+    assert spec["k"] == 4 and spec["method"] == "draft" and "int4 layers" in spec["draft"]
+    assert spec["texts_equal"] == ngram["texts_equal"] == ngram["texts_equal_b8"] == 1.0
+    assert spec["extractive"]["texts_equal"] == 1.0
+    for figures in (spec, ngram, spec["extractive"]):
+        assert figures["speedup_b1"] > 0 and math.isfinite(figures["speedup_b1"])
+        assert 0 <= figures["acceptance"] <= 1 and 0 <= figures["mean_accepted_length"] <= spec["k"]
+        assert figures["speedup_b1"] == pytest.approx(figures["tok_per_s"] / figures["tok_per_s_plain"])
+    assert ngram["speedup_b8"] > 0 and math.isfinite(ngram["speedup_b8"])
+    assert spec["acceptance"] > 0.5, "the int4 draft is the target rounded: it should mostly agree"
+    assert spec["extractive"]["acceptance"] > 0, "copying a passage: prompt lookup must find some guesses"
+
+
+def check_quant(quant: dict) -> None:
+    """int8 and int4 against float: smaller, close in perplexity."""
+    for fmt, bits in (("int8", 8), ("int4", 4)):
+        row = quant[fmt]
+        assert row["tok_per_s_ratio"] > 0 and math.isfinite(row["tok_per_s_ratio"])
+        assert row["ppl_delta"] == pytest.approx(row["ppl"] / quant["float"]["ppl"] - 1)
+        assert -0.5 < row["ppl_delta"] < 0.5, f"{fmt} perplexity {row['ppl']} far from float's {quant['float']['ppl']}"
+        assert bits / 8 <= row["bytes_per_param"] < quant["float"]["bytes_per_param"]  # scales and minimums on top
+        assert 0 < row["weight_bytes"] < quant["float"]["weight_bytes"] and row["kernels"]
+
+
+def check_compile(comp: dict) -> None:
+    """Decode steps through torch.compile (bucket 1 quick): the same greedy tokens."""
+    assert comp["speedup_b1"] > 0 and comp["compiled_steps"] > 0
+    assert comp["tokens_equal_b1"] >= 0.5  # other float32 kernels: a near-tie may flip, a bug flips everything
+    assert set(comp["compile_seconds"]) == {"1"}
 
 
 def test_workloads_are_deterministic(real):
@@ -119,7 +150,7 @@ def test_the_step_profile_splits_the_forward_pass_without_losing_time(real):
     model, tok = real
     engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4)))
     for question in bench.QUESTIONS[:4]:
-        engine.add_request(bench._chat(tok, question), SamplingParams(max_tokens=6, ignore_eos=True))
+        engine.add_request(bench.chat_prompt(tok, question), SamplingParams(max_tokens=6, ignore_eos=True))
     engine.step()  # the prefills
     profile = bench.profile_steps(engine, steps=3)
     assert set(bench.PHASES) <= set(profile)
@@ -143,11 +174,22 @@ def test_decode_seconds_counts_shared_time_once():
 
 
 @pytest.mark.parametrize("flags, message", [(["--spec-k", "0"], "--spec-k must be at least 1"),
-                                            (["--quant-kernel", "fast"], "unknown --quant-kernel")])
+                                            (["--quant-kernel", "fast"], "unknown --quant-kernel"),
+                                            (["--sections", "quant,fast"], "unknown section 'fast'")])
 def test_bad_section_flags_say_what_to_change(flags, message, capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--quick", "--no-serve", *flags])
+        bench.main(["--quick", *flags])
     assert message in capsys.readouterr().err
+
+
+SLOW = {"serve", "spec_decode", "quant", "compile"}
+
+
+@pytest.mark.parametrize("value, quick, want", [(None, True, set()), ("none", False, set()), (None, False, SLOW),
+                                               ("all", True, SLOW), ("quant, compile", True, {"quant", "compile"})])
+def test_quick_runs_no_slow_section_unless_asked_and_a_full_run_all(value, quick, want, monkeypatch):
+    monkeypatch.setattr(bench.llama_cpp, "available", lambda: False)  # llama.cpp's section is where it imports
+    assert parse_sections(argparse.ArgumentParser(), value, quick) == want
 
 
 def test_a_roof_is_the_best_of_calls_spread_over_the_minimum_time():
@@ -158,7 +200,7 @@ def test_a_roof_is_the_best_of_calls_spread_over_the_minimum_time():
         calls.append(1)
         time.sleep(next(durations))
 
-    best = _best_time(work, torch.device("cpu"), repeats=3, min_seconds=0.2)
+    best = best_time(work, torch.device("cpu"), repeats=3, min_seconds=0.2)
     assert best < 0.01  # the warm-up does not count, and the fast call after `repeats` calls is kept
     timed = len(calls) - 1
     assert timed >= 10  # not stopped at `repeats` (3): the calls of 0.02 s went on until 0.2 s had passed

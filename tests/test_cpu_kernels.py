@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from enginelib.speed import cpu_kernels
-from enginelib.speed.quant import QuantLinear, kernel_unavailable, quantize, quantize_weight
+from enginelib.speed.quant import QuantLinear, kernel_unavailable, quant_info, quantize, quantize_weight
 
 CPU = torch.device("cpu")
 # The first kernel call builds them (once per source, compiler, Python and torch, then cached on disk). On CI
@@ -136,8 +136,8 @@ def test_unavailable_names_the_fix_and_auto_skips_it(tiny, monkeypatch, tmp_path
     with pytest.raises(ValueError, match="no C\\+\\+ compiler.*use kernel='auto' or 'reference'"):
         quantize(tiny, "int8", "cpp")
     auto = quantize(tiny, "int8")
-    assert "cpp" not in {row.kernel for row in auto.quant_info.timings}
-    assert "apt-get install g++" in auto.quant_info.skipped["cpp"]  # auto says why it ran without it
+    assert "cpp" not in {row.kernel for row in quant_info(auto).timings}
+    assert "apt-get install g++" in quant_info(auto).skipped["cpp"]  # auto says why it ran without it
     assert "runs on cpu, not cuda" in kernel_unavailable("cpp", "int8", (96, 64), torch.device("cuda"))
 
 

@@ -13,7 +13,7 @@ MISSING = "ModuleNotFoundError: No module named 'llama_cpp'"
 def test_asking_for_llama_cpp_without_it_names_the_install_command(monkeypatch, capsys):
     monkeypatch.setattr(llama, "import_error", lambda: MISSING)
     with pytest.raises(SystemExit):
-        bench.main(["--quick", "--no-serve", "--systems", "engine,llama_cpp"])
+        bench.main(["--quick", "--systems", "engine,llama_cpp"])
     err = capsys.readouterr().err
     assert "--systems llama_cpp needs llama-cpp-python" in err and "pip install llama-cpp-python" in err
     assert MISSING in err
@@ -39,7 +39,7 @@ def test_the_formats_say_what_each_side_computes_with(real):
 def test_llama_cpp_runs_two_requests_on_the_same_gguf(real):
     pytest.importorskip("llama_cpp")
     model, tok = real
-    wl = bench.Workload("two", [bench.BenchRequest(bench._chat(tok, q), 8) for q in bench.QUESTIONS[:2]])
+    wl = bench.Workload("two", [bench.BenchRequest(bench.chat_prompt(tok, q), 8) for q in bench.QUESTIONS[:2]])
     with llama.open_peer("smollm2-135m", 1, 4, [wl]) as peer:
         result = llama.run_llama_cpp(peer, tok, wl)
         step = llama.decode_step_time(peer, tok, 2, 4)

@@ -121,7 +121,7 @@ def test_greedy_texts_equal_the_offline_llm(server, offline):
 def test_the_bench_drives_an_endpoint_with_token_id_prompts(server, real):
     model, tok = real
     assert bench.served_model_name(server.url) == MODEL
-    wl = bench.Workload("tiny", [bench.BenchRequest(bench._chat(tok, q), 6) for q in bench.QUESTIONS[:3]])
+    wl = bench.Workload("tiny", [bench.BenchRequest(bench.chat_prompt(tok, q), 6) for q in bench.QUESTIONS[:3]])
     result = bench.run_endpoint(server.url, MODEL, tok, wl, concurrency=3)
     assert result.output_tokens == 18 and len(result.ttft) == len(result.tpot) == 3
     engine = bench.run_engine(model, tok, wl, bench.EngineConfig())

@@ -6,6 +6,14 @@ import pytest
 import torch
 
 from enginelib.baselines import generate_cached
+from enginelib.bench.quality import (
+    decode_tokens_per_second,
+    format_row,
+    greedy_agreement,
+    linear_bytes_per_param,
+    perplexity,
+    weight_bytes,
+)
 from enginelib.config import SamplingParams
 from enginelib.core.engine import Engine, EngineConfig
 from enginelib.model.weights import load_model
@@ -13,20 +21,15 @@ from enginelib.speed.quant import (
     GROUP_SIZE,
     KERNELS,
     QuantLinear,
-    decode_tokens_per_second,
-    format_row,
     from_gguf_q4_1,
     from_gguf_q8_0,
-    greedy_agreement,
     kernel_unavailable,
-    linear_bytes_per_param,
     load_quantized,
     pack_int4,
-    perplexity,
+    quant_info,
     quantize,
     quantize_weight,
     unpack_int4,
-    weight_bytes,
 )
 
 from .conftest import batched_equals_alone, chat_ids, tiny_tokenizer
@@ -89,7 +92,7 @@ def test_a_gguf_files_blocks_load_as_stored_and_hold_its_weights_exactly(tmp_pat
     write_gguf(path, tiny_model(), layers=T.Q4_1, embedding=T.Q8_0)  # the shipped file's mix
     floats, _ = load_model(path, progress=False, pack=False)
     stored, tokenizer = load_quantized(path, "reference", progress=False)
-    assert (stored.quant_info.fmt, stored.quant_info.head_fmt) == ("int4", "q8_0")
+    assert (quant_info(stored).fmt, quant_info(stored).head_fmt) == ("int4", "q8_0")
     layers = {name: m for name, m in stored.named_modules() if isinstance(m, QuantLinear)}
     assert len(layers) == 4 * stored.cfg.num_layers + 1  # qkv, o, gate_up, down per layer, and the head
     for name, layer in layers.items():
@@ -98,7 +101,7 @@ def test_a_gguf_files_blocks_load_as_stored_and_hold_its_weights_exactly(tmp_pat
     torch.testing.assert_close(stored(ids), floats(ids), atol=1e-4, rtol=1e-4)
     assert tokenizer.encode("hello") == load_model(path, progress=False)[1].encode("hello")
     auto, _ = load_quantized(path, progress=False)  # kernels chosen by measurement, on the model as stored
-    assert set(auto.quant_info.kernels) == {("int4", (128, 64)), ("int4", (64, 64)), ("int4", (256, 64)),
+    assert set(quant_info(auto).kernels) == {("int4", (128, 64)), ("int4", (64, 64)), ("int4", (256, 64)),
                                             ("int4", (64, 128)), ("q8_0", (stored.cfg.vocab_size, 64))}
 
     write_gguf(tmp_path / "f16.gguf", tiny_model(), layers=T.F16)
@@ -115,7 +118,7 @@ def test_the_shipped_file_runs_as_stored_in_the_engine(real_f32):
     for name, layer in model.named_modules():
         if isinstance(layer, QuantLinear):
             assert torch.equal(layer.quantized_weight().dequantize(), real_f32[0].get_submodule(name).weight.cpu())
-    assert model.quant_info.kernels[("q8_0", (49152, 576))] in ("cpp_q8", "reference")
+    assert quant_info(model).kernels[("q8_0", (49152, 576))] in ("cpp_q8", "reference")
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     batched_equals_alone(model, tok, [chat_ids(tok, q) for q in ("What is a cat?", "Name three colors.")], greedy)
 
@@ -205,7 +208,7 @@ def test_quantize_makes_a_new_model_and_measures_kernels(tiny):
     assert all(torch.equal(v, before[k]) for k, v in tiny.state_dict().items())
     assert isinstance(q.lm_head, QuantLinear) and isinstance(q.layers[1].self_attn.qkv_proj, QuantLinear)
     assert q.embed_tokens.weight is tiny.embed_tokens.weight and q.dtype == torch.float32  # float lookup, shared
-    info = q.quant_info
+    info = quant_info(q)
     shapes = {m.weight.shape for m in tiny.modules() if isinstance(m, torch.nn.Linear)}
     assert set(info.kernels) == {("int8", tuple(s)) for s in shapes}
     for (_, shape), chosen in info.kernels.items():

@@ -392,12 +392,12 @@ def test_a_draft_model_is_served_from_the_command_line():
     """vLLM's way: '--speculative-config {"method": "draft", "model": ...}'; by default the served file, as stored
     (its Q4_1 layers: an int4 draft)."""
     from enginelib.serve import engine_config, parse_args
-    from enginelib.speed.quant import QuantLinear
+    from enginelib.speed.quant import QuantLinear, quant_info
 
     config = engine_config(parse_args(["--speculative-config", '{"method": "draft", "num_speculative_tokens": 3}']))
     spec = config.speculative
     assert spec.method == "draft" and spec.num_speculative_tokens == 3
-    assert isinstance(spec.draft_model.lm_head, QuantLinear) and spec.draft_model.quant_info.fmt == "int4"
+    assert isinstance(spec.draft_model.lm_head, QuantLinear) and quant_info(spec.draft_model).fmt == "int4"
 
 
 def test_a_served_draft_keeps_greedy_text_exact(offline):

@@ -4,7 +4,8 @@ Ratios measured side by side in one process hold on a noisy machine where
 absolute numbers do not. The run also measures the machine itself (matmul
 peak, memory bandwidth) so the engine can be placed against its limits.
 
-    python -m enginelib.bench --quick --json bench.json
+    python -m enginelib.bench --quick --json bench.json        # the core, under a minute on 2 cores
+    python -m enginelib.bench --quick --sections quant,compile   # plus two slow sections
     python -m enginelib.bench --workload seed --systems naive,static,engine
     python -m enginelib.bench --endpoint http://127.0.0.1:8000/v1 --systems engine,endpoint
 
@@ -15,6 +16,10 @@ concurrent streams with the offline engine's: the cost of HTTP and SSE.
 The ``spec_decode`` section runs the engine with and without speculation (an int4 draft, n-gram lookup;
 chapter 12), the ``quant`` section the int8 and int4 models
 against the float one (chapter 11): speed ratios and perplexity.
+These slow sections (and ``compile``, ``llama_cpp``) all run in a full run and
+none with ``--quick``, which keeps the core (systems, roofline, prefix cache,
+chunked prefill, KV waste); ``--sections`` picks them. Each part of the run
+prints a progress line with its seconds to stderr.
 
 The package, in the order a run uses it:
 
@@ -25,7 +30,8 @@ The package, in the order a run uses it:
 - :mod:`.roofline`: the machine's limits and decode against them;
   :mod:`.profile`: where a step's time goes; :mod:`.memory`: KV waste;
 - sections: :mod:`.scheduling` (prefix cache, chunked prefill, latency curve),
-  :mod:`.serving`, :mod:`.spec_decode`, :mod:`.quantization`;
+  :mod:`.serving`, :mod:`.spec_decode`, :mod:`.quantization` (with :mod:`.quality`: perplexity, greedy
+  agreement, bytes per weight), :mod:`.compilation`, :mod:`.llama_cpp`;
 - :mod:`.report` (tables, ratios) and :mod:`.cli` (``main``; ``__main__`` calls it).
 """
 from enginelib.bench.cli import main
@@ -45,7 +51,7 @@ from enginelib.bench.workloads import (
     WORKLOADS,
     BenchRequest,
     Workload,
-    _chat,
+    chat_prompt,
     extractive_prompts,
     make_workload,
 )
@@ -53,10 +59,9 @@ from enginelib.config import EngineConfig
 
 __all__ = [
     "ENDPOINT", "OP_KINDS", "PHASES", "QUESTIONS", "SYSTEMS", "WORKLOADS", "BenchRequest", "EngineConfig", "SpecRun",
-    "SystemResult", "Workload", "chunked_prefill_effect", "concurrency", "decode_flops_per_token", "decode_seconds",
-    "decode_step_time", "extractive_prompts", "int4_model", "kv_waste", "latency_curve", "load_hf", "main", "make_workload",
-    "matmul_peak", "prefix_cache_effect", "profile_steps", "quant_effect", "read_bandwidth", "run_endpoint",
-    "run_engine", "run_hf_static", "run_one_at_a_time", "run_spec", "run_static", "serve_args", "serve_effect",
-    "served_model_name", "spec_decode_effect",
-    "_chat",  # the workloads' chat prompts: the chapters build their own with it
+    "SystemResult", "Workload", "chat_prompt", "chunked_prefill_effect", "concurrency", "decode_flops_per_token",
+    "decode_seconds", "decode_step_time", "extractive_prompts", "int4_model", "kv_waste", "latency_curve", "load_hf",
+    "main", "make_workload", "matmul_peak", "prefix_cache_effect", "profile_steps", "quant_effect", "read_bandwidth",
+    "run_endpoint", "run_engine", "run_hf_static", "run_one_at_a_time", "run_spec", "run_static", "serve_args",
+    "serve_effect", "served_model_name", "spec_decode_effect",
 ]

@@ -3,6 +3,11 @@
 The command line: parse the flags, load the model (and start our server for
 the ``serve`` section), run every system on every workload, then the sections,
 and write the report.
+
+The core (the systems on the workloads, the machine's roofline, prefix cache,
+chunked prefill, KV waste) always runs. The slow sections (:data:`SLOW_SECTIONS`:
+our server, speculative decoding, quantization, torch.compile, llama.cpp) all run
+in a full run and none with ``--quick``; ``--sections`` picks them either way.
 """
 from __future__ import annotations
 
@@ -21,14 +26,14 @@ from enginelib.bench.endpoint import ENDPOINT, run_endpoint, served_model_name
 from enginelib.bench.hf import load_hf, run_hf_static
 from enginelib.bench.memory import concurrency, kv_waste
 from enginelib.bench.quantization import int4_model, quant_effect
-from enginelib.bench.report import _print_summary, _print_table, _ratios
-from enginelib.bench.results import SystemResult, _check_same_tokens, _same_texts
-from enginelib.bench.roofline import _roofline, decode_step_time, engine_decode_step_time
+from enginelib.bench.report import print_summary, print_table, progress, throughput_ratios
+from enginelib.bench.results import SystemResult, check_same_tokens, same_texts
+from enginelib.bench.roofline import decode_step_time, engine_decode_step_time, roofline_figures
 from enginelib.bench.scheduling import chunked_prefill_effect, prefix_cache_effect
 from enginelib.bench.serving import serve_args, serve_effect
 from enginelib.bench.spec_decode import spec_decode_effect
 from enginelib.bench.systems import SYSTEMS, run_engine, run_one_at_a_time, run_static
-from enginelib.bench.workloads import WORKLOADS, BenchRequest, Workload, _chat, make_workload
+from enginelib.bench.workloads import WORKLOADS, BenchRequest, Workload, chat_prompt, make_workload
 from enginelib.config import CompileConfig, EngineConfig, SchedulerConfig
 from enginelib.core.engine import Engine
 from enginelib.model.device import PackedLinear, pick_device, set_threads
@@ -37,7 +42,9 @@ from enginelib.model.transformer import Transformer
 from enginelib.model.weights import DEFAULT_MODEL, load_model
 from enginelib.speed import cpu_kernels
 from enginelib.speed.compiled import compile_unavailable
-from enginelib.speed.quant import kernel_unavailable, load_quantized
+from enginelib.speed.quant import kernel_unavailable, load_quantized, quant_info
+
+SLOW_SECTIONS = ("serve", "spec_decode", "quant", "compile", llama.NAME)  # opt-in with --quick
 
 if TYPE_CHECKING:
     from enginelib.serve import ServerProcess  # imported when used: the server stack is not needed offline
@@ -45,10 +52,19 @@ if TYPE_CHECKING:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m enginelib.bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small workloads: about 3 minutes on a 2-core CPU")
+    ap.add_argument("--quick", action="store_true",
+                    help="small workloads and the core sections only (under a minute on a 2-core CPU); "
+                         "add slow sections with --sections")
     ap.add_argument("--workload", default="seed", help=f"comma-separated, from {', '.join(WORKLOADS)}, or 'all'")
     offered = SYSTEMS + ((llama.NAME,) if llama.available() else ())  # llama.cpp's only where it imports
-    ap.add_argument("--systems", default=",".join(offered), help=f"comma-separated, from {', '.join(offered)}")
+    slow = tuple(s for s in SLOW_SECTIONS if s != llama.NAME or llama.available())
+    ap.add_argument("--systems", default=None,
+                    help=f"comma-separated, from {', '.join(offered)} (default: {', '.join(SYSTEMS)}"
+                         + (f", and {llama.NAME} when its section runs)" if llama.NAME in offered else ")"))
+    ap.add_argument("--sections", default=None, metavar="LIST",
+                    help=f"the slow sections to run, comma-separated from {', '.join(slow)}, or 'all' or 'none' "
+                         "(default: all in a full run, none with --quick); the core (systems, roofline, prefix "
+                         "cache, chunked prefill, KV waste) always runs")
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
@@ -59,7 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
     ap.add_argument("--max-len", type=int, default=2048, help="what a contiguous cache reserves per request")
     ap.add_argument("--naive-requests", type=int, default=None,
-                    help="serve only this many requests with naive/kv_cache (they are slow); default 2 quick, 4 full")
+                    help="serve only this many requests with naive (twice as many with kv_cache: they are slow); "
+                         "default 1 quick, 4 full")
     ap.add_argument("--no-prefix-caching", action="store_true", help="the engine without its prefix cache")
     ap.add_argument("--no-chunked-prefill", action="store_true", help="the engine prefills each prompt in one step")
     ap.add_argument("--chunk-budget", type=int, default=256,
@@ -72,19 +89,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--text-prompts", action="store_true",
                     help="send --endpoint the prompts as text, not token ids (a server with another tokenizer)")
     ap.add_argument("--concurrency", type=int, default=32, help="streams in flight at most, for --endpoint and serve")
-    ap.add_argument("--no-serve", action="store_true",
-                    help="skip the serve section (our server vs the offline engine, same workload)")
-    ap.add_argument("--no-spec-decode", action="store_true",
-                    help="skip the spec_decode section (speculation by an int4 draft and by n-gram lookup vs plain decoding)")
     ap.add_argument("--spec-k", type=int, default=4, help="guesses per step in the spec_decode section")
-    ap.add_argument("--no-quant", action="store_true", help="skip the quant section (int8 and int4 vs float)")
     ap.add_argument("--quant-kernel", default=None,
                     help="the kernel quantize() uses: auto (time the candidates per weight shape; the default "
                          "in full runs) or a name from enginelib.speed.quant.KERNELS; --quick defaults to cpp (our C++ "
                          "kernels) where they build, else reference, since timing the candidates takes about "
                          "10 s per format on a 2-core CPU")
-    ap.add_argument("--no-compile", action="store_true",
-                    help="skip the compile section (decode steps through torch.compile vs eager)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     args = ap.parse_args(argv)
     if args.spec_k < 1:
@@ -94,7 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quant_kernel is not None and args.quant_kernel not in ("auto", *KERNELS):
         ap.error(f"unknown --quant-kernel {args.quant_kernel!r}; choose from auto, {', '.join(KERNELS)}")
 
-    systems = tuple(args.systems.split(","))
+    sections = parse_sections(ap, args.sections, args.quick)
+    systems = tuple(args.systems.split(",")) if args.systems else (
+        SYSTEMS + ((llama.NAME,) if llama.NAME in sections and llama.available() else ()))
     if args.endpoint and ENDPOINT not in systems:
         systems += (ENDPOINT,)
     for s in systems:
@@ -103,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{llama.INSTALL}")
         if s not in offered + (ENDPOINT,):
             ap.error(f"unknown system {s!r}; choose from {', '.join(offered + (ENDPOINT,))}")
+    if llama.NAME in systems:  # the peer is its section: asked for as a system, its comparisons run too
+        sections.add(llama.NAME)
     if ENDPOINT in systems and not args.endpoint:
         ap.error("the endpoint system needs --endpoint URL (an OpenAI-compatible server's base URL)")
     if args.concurrency < 1:
@@ -110,31 +124,49 @@ def main(argv: list[str] | None = None) -> dict:
     served = (args.served_model or served_model_name(args.endpoint)) if args.endpoint else None
     threads = set_threads(args.threads)
     device = pick_device(args.device)
-    if args.quant_kernel is None:
+    if args.quant_kernel is None and sections & {"spec_decode", "quant", llama.NAME}:  # quick_kernel builds C++
         args.quant_kernel = quick_kernel(device) if args.quick else "auto"
     config = EngineConfig(enable_prefix_caching=not args.no_prefix_caching,
                           scheduler=SchedulerConfig(args.max_num_seqs, 4096, not args.no_chunked_prefill))
     workloads = WORKLOADS if args.workload == "all" else tuple(args.workload.split(","))
     server = peer = None
-    if not args.no_serve:  # our server loads its model while we load ours; it idles until the serve section
+    if "serve" in sections:  # our server loads its model while we load ours; it idles until the serve section
         from enginelib.serve import ServerProcess
 
         server = ServerProcess(serve_args(args, device, threads, config, args.concurrency)).launch()
     try:
-        model, tok = load_model(args.model, device=device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-                                progress=False, pack=False if args.no_pack else None)
-        if llama.NAME in systems:  # the same GGUF file, the same threads
-            peer = llama.open_peer(args.model, threads, args.max_num_seqs,
-                                   [make_workload(name, tok, args.quick, args.rate) for name in workloads],
-                                   gpu=device.type == "cuda")
-        if server is not None:
-            server.wait_ready()  # healthy before anything is timed: its loading must not slow our measurements
-        return _measure(args, systems, served, threads, device, config, model, tok, server, peer, workloads)
+        with progress("load the model" + (" (and start our server)" if server is not None else "")):
+            model, tok = load_model(args.model, device=device, progress=False, pack=False if args.no_pack else None,
+                                    dtype=getattr(torch, args.dtype) if args.dtype else None)
+            if llama.NAME in systems:  # the same GGUF file, the same threads
+                peer = llama.open_peer(args.model, threads, args.max_num_seqs,
+                                       [make_workload(name, tok, args.quick, args.rate) for name in workloads],
+                                       gpu=device.type == "cuda")
+            if server is not None:
+                server.wait_ready()  # healthy before anything is timed: its loading must not slow our measurements
+        return _measure(args, sections, systems, served, threads, device, config, model, tok, server, peer,
+                        workloads)
     finally:
         if server is not None:
             server.stop()  # also when our own load failed: a half-started server is terminated
         if peer is not None:
             peer.close()
+
+
+def parse_sections(ap: argparse.ArgumentParser, value: str | None, quick: bool) -> set[str]:
+    """The slow sections ``--sections`` names ('all', 'none', or a list); by default all, none with --quick."""
+    if value is None:
+        value = "none" if quick else "all"
+    if value in ("all", "none"):
+        return {s for s in SLOW_SECTIONS if s != llama.NAME or llama.available()} if value == "all" else set()
+    names = {s.strip() for s in value.split(",") if s.strip()}
+    for name in sorted(names):
+        if name == llama.NAME and (why := llama.import_error()):
+            ap.error(f"--sections {llama.NAME} needs llama-cpp-python, which does not import here ({why}): "
+                     f"{llama.INSTALL}")
+        if name not in SLOW_SECTIONS:
+            ap.error(f"unknown section {name!r}; choose from {', '.join(SLOW_SECTIONS)}, or all or none")
+    return names
 
 
 def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str,
@@ -148,14 +180,14 @@ def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str,
     q8 = kernel_unavailable("cpp_q8", "int4", (32, 32), model.device) is None
     try:
         small, _ = load_quantized(source, "cpp_q8" if q8 else kernel, device=model.device, progress=False)
-        kernels = ", ".join(sorted(set(small.quant_info.kernels.values())))
+        kernels = ", ".join(sorted(set(quant_info(small).kernels.values())))
         small_format = f"the GGUF as stored: int4 layers, q8_0 head ({kernels} kernels)"
     except ValueError:  # not a GGUF, or its layers are not Q4_1/Q8_0
         small, small_format = int4_model(model, kernel)
     compile = None
     if compile_unavailable(model.device) is None:
         compile = CompileConfig(batch_sizes=(1,), cpp_wrapper=True, freeze=True)
-    engine = Engine(small, tok, EngineConfig(scheduler=SchedulerConfig(1, 2048), record=True, compile=compile))
+    engine = Engine(small, tok, EngineConfig(scheduler=SchedulerConfig(1, 2048), compile=compile))
     return engine, small_format + (", compiled" if compile else "")
 
 
@@ -166,7 +198,7 @@ def fastest_batch32(model: Transformer, tok: Tokenizer) -> tuple[Engine, str]:
     compile = None
     if compile_unavailable(model.device) is None:
         compile = CompileConfig(batch_sizes=(32,), cpp_wrapper=True, freeze=True)
-    engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(32, 2048), record=True, compile=compile))
+    engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(32, 2048), compile=compile))
     return engine, llama.engine_format(model) + (", compiled" if compile else "")
 
 
@@ -175,117 +207,141 @@ def quick_kernel(device: torch.device) -> str:
     return "cpp" if kernel_unavailable("cpp", "int8", (32, 32), device) is None else "reference"
 
 
-def _measure(args: argparse.Namespace, systems: tuple[str, ...], served: str | None, threads: int,
-             device: torch.device, config: EngineConfig, model: Transformer, tok: Tokenizer,
+def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, ...], served: str | None,
+             threads: int, device: torch.device, config: EngineConfig, model: Transformer, tok: Tokenizer,
              server: ServerProcess | None, peer: llama.LlamaCpp | None, workloads: tuple[str, ...]) -> dict:
     """Every system on every workload, then the sections; the report as a dict (and a JSON file)."""
-    hf = load_hf(device, model.dtype) if "hf_static" in systems else None
-    warm = Workload("warm-up", [BenchRequest(_chat(tok, "hi"), 4)])
-    run_engine(model, tok, warm, config)
-    run_one_at_a_time("warm-up", generate_cached, model, tok, warm)
-    if peer is not None:
-        llama.run_llama_cpp(peer, tok, warm)
-    few = args.naive_requests or (2 if args.quick else 4)
+    with progress("warm-up" + (" (loading transformers)" if "hf_static" in systems else "")):
+        hf = load_hf(device, model.dtype) if "hf_static" in systems else None
+        warm = Workload("warm-up", [BenchRequest(chat_prompt(tok, "hi"), 4)])
+        run_engine(model, tok, warm, config)
+        run_one_at_a_time("warm-up", generate_cached, model, tok, warm)
+        if peer is not None:
+            llama.run_llama_cpp(peer, tok, warm)
+    few = args.naive_requests or (1 if args.quick else 4)
 
     report: dict = {"machine": {"torch": torch.__version__, "threads": threads, "device": str(device),
                                 "dtype": str(model.dtype).removeprefix("torch."), "model": str(args.model),
                                 "packed_linears": any(isinstance(m, PackedLinear) for m in model.modules()),
-                                "quick": args.quick,
+                                "quick": args.quick, "sections": sorted(sections),
                                 "formats": {"engine": llama.engine_format(model),
                                             llama.NAME: llama.gguf_format(peer.path) if peer else None}},
                     "workloads": {}}
     for name in workloads:
-        wl = make_workload(name, tok, args.quick, args.rate)
-        results: dict[str, SystemResult] = {}
-        for system in systems:
-            if system == "naive":
-                results[system] = run_one_at_a_time("naive", generate_naive, model, tok, wl, few)
-            elif system == "kv_cache":
-                results[system] = run_one_at_a_time("kv_cache", generate_cached, model, tok, wl, 2 * few)
-            elif system == "static":
-                results[system] = run_static(model, tok, wl, args.batch_size)
-            elif system == "hf_static" and hf is not None:
-                results[system] = run_hf_static(hf, tok, wl, args.batch_size, device)
-            elif system == "engine":
-                results[system] = run_engine(model, tok, wl, config)
-            elif system == ENDPOINT:
-                results[system] = run_endpoint(args.endpoint, served, tok, wl, args.concurrency, args.text_prompts)
-                if "engine" in results:
-                    same = _same_texts(results[system], results["engine"])
-                    results[system].note += f"; {same:.0%} of texts equal the engine's"
-            elif system == llama.NAME:
-                results[system] = llama.run_llama_cpp(peer, tok, wl, args.max_num_seqs)
-                if "engine" in results:
-                    same = llama.agreement(results["engine"], results[system])["texts_equal"]
-                    results[system].note += (f"; {same:.0%} of outputs equal the engine's (llama.cpp computes in "
-                                             "the file's quantized format)")
-        # llama.cpp computes in the file's quantized format: its tokens are compared, not checked.
-        _check_same_tokens(model, wl, {s: r for s, r in results.items() if s != llama.NAME})
+        with progress(f"workload {name} ({', '.join(systems)})"):
+            results = _run_systems(args, systems, served, config, model, tok, hf, peer, name, few)
         report["workloads"][name] = {s: r.summary() for s, r in results.items()}
         if name == workloads[0]:
             report["systems"] = report["workloads"][name]
             first = results
-        _print_table(name, results)
+        print_table(name, results)
 
-    report["ratios"] = _ratios(report["systems"])
+    report["ratios"] = throughput_ratios(report["systems"])
     if hf is None and "hf_static" in systems:
         report["notes"] = ["transformers is not installed: hf_static skipped"]
-    report |= _roofline(model, tok, hf, device, args.quick)
+    with progress("roofline"):
+        report |= roofline_figures(model, tok, hf, device, args.quick)
     if "engine" in systems:
-        report["prefix_cache"] = prefix_cache_effect(model, tok, config, args.quick)
-        report["chunked_prefill"] = chunked_prefill_effect(model, tok, config, args.quick, args.chunk_budget)
+        with progress("prefix_cache"):
+            report["prefix_cache"] = prefix_cache_effect(model, tok, config, args.quick)
+        with progress("chunked_prefill"):
+            report["chunked_prefill"] = chunked_prefill_effect(model, tok, config, args.quick, args.chunk_budget)
     if server is not None:
-        wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
-        report["serve"] = serve_effect(server, model, tok, wl0, config, args.concurrency)
+        with progress("serve"):
+            wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
+            report["serve"] = serve_effect(server, model, tok, wl0, config, args.concurrency)
         if args.no_pack:
             report["serve"]["note"] += "; the server packs its linears (serve has no --no-pack)"
-    report["ratios"]["single_stream_vs_hf"] = report.pop("_single_stream_vs_hf")
+    report["ratios"]["single_stream_vs_hf"] = report.pop("single_stream_vs_hf")
     report["ratios"] |= {"single_stream_vs_llama_cpp": None, "decode_b32_vs_llama_cpp": None}
     if peer is not None:
-        # on a CPU in float32, decode steps attend in our C++ kernel (keys read where they lie, no gather for SDPA)
-        decode_kernel = cpu_kernels.unavailable(model.device, model.dtype) is None
-
-        def engine_step(batch: int, new_tokens: int) -> float:
-            return decode_step_time(model, tok, batch, new_tokens, decode_kernel)[0]
-
-        fast, fast_format = fastest_single_stream(model, tok, args.quant_kernel, args.model)
-        fast32, fast32_format = fastest_batch32(model, tok)
-        report[llama.NAME] = llama.llama_cpp_effect(
-            peer, model, tok, args.quick, engine_step, fast_format=fast_format,
-            fast_step=lambda batch, new_tokens: engine_decode_step_time(fast, tok, batch, new_tokens)[0],
-            fast_b32_format=fast32_format,
-            fast_b32_step=lambda batch, new_tokens: engine_decode_step_time(fast32, tok, batch, new_tokens)[0])
-        if decode_kernel:
-            report[llama.NAME]["engine_format"] += ", C++ decode attention"
-        if "engine" in first:
-            report[llama.NAME] |= llama.agreement(first["engine"], first[llama.NAME])
-        report["ratios"]["single_stream_vs_llama_cpp"] = report[llama.NAME]["single_stream_ratio"]
-        report["ratios"]["decode_b32_vs_llama_cpp"] = report[llama.NAME]["decode_b32_ratio"]
-        report["ratios"]["single_stream_fastest_vs_llama_cpp"] = report[llama.NAME]["fast_single_stream_ratio"]
-        report["ratios"]["decode_b32_fastest_vs_llama_cpp"] = report[llama.NAME]["fast_decode_b32_ratio"]
-    if not args.no_spec_decode:
-        start = time.perf_counter()
-        draft, draft_format = int4_model(model, args.quant_kernel)
-        report["spec_decode"] = spec_decode_effect(model, tok, args.quick, args.spec_k, draft, draft_format)
-        report["spec_decode"]["seconds"] = time.perf_counter() - start
-    if not args.no_quant:
-        start = time.perf_counter()
-        report["quant"] = quant_effect(model, tok, args.quick, args.quant_kernel)
-        report["quant"]["seconds"] = time.perf_counter() - start
-    if not args.no_compile:
-        start = time.perf_counter()
-        report["compile"] = compile_effect(model, tok, args.quick)
-        report["compile"]["seconds"] = time.perf_counter() - start
+        with progress(llama.NAME):
+            _llama_cpp_section(args, report, model, tok, peer, first)
+    if "spec_decode" in sections:
+        with progress("spec_decode"):
+            start = time.perf_counter()
+            draft, draft_format = int4_model(model, args.quant_kernel)
+            report["spec_decode"] = spec_decode_effect(model, tok, args.quick, args.spec_k, draft, draft_format)
+            report["spec_decode"]["seconds"] = time.perf_counter() - start
+    if "quant" in sections:
+        with progress("quant"):
+            start = time.perf_counter()
+            report["quant"] = quant_effect(model, tok, args.quick, args.quant_kernel)
+            report["quant"]["seconds"] = time.perf_counter() - start
+    if "compile" in sections:
+        with progress("compile"):
+            start = time.perf_counter()
+            report["compile"] = compile_effect(model, tok, args.quick)
+            report["compile"]["seconds"] = time.perf_counter() - start
     engine_outputs = first["engine"].outputs if "engine" in first else None
-    wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
     if engine_outputs:
+        wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
         report["kv_waste"] = kv_waste(wl0, config.block_size, args.max_len, engine_outputs)
         budget = concurrency(wl0, engine_outputs, config.block_size, args.max_len, budget_tokens=32 * args.max_len)
         report["concurrency"] = budget
         report["concurrency_ratio"] = budget["paged"] / budget["contiguous"]
-    _print_summary(report)
+    print_summary(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return report
+
+
+def _run_systems(args: argparse.Namespace, systems: tuple[str, ...], served: str | None, config: EngineConfig,
+                 model: Transformer, tok: Tokenizer, hf, peer: llama.LlamaCpp | None, name: str,
+                 few: int) -> dict[str, SystemResult]:
+    """Every system on workload ``name``, each checked against the kv_cache oracle's tokens."""
+    wl = make_workload(name, tok, args.quick, args.rate)
+    results: dict[str, SystemResult] = {}
+    for system in systems:
+        if system == "naive":
+            results[system] = run_one_at_a_time("naive", generate_naive, model, tok, wl, few)
+        elif system == "kv_cache":
+            results[system] = run_one_at_a_time("kv_cache", generate_cached, model, tok, wl, 2 * few)
+        elif system == "static":
+            results[system] = run_static(model, tok, wl, args.batch_size)
+        elif system == "hf_static" and hf is not None:
+            results[system] = run_hf_static(hf, tok, wl, args.batch_size, model.device)
+        elif system == "engine":
+            results[system] = run_engine(model, tok, wl, config)
+        elif system == ENDPOINT:
+            results[system] = run_endpoint(args.endpoint, served, tok, wl, args.concurrency, args.text_prompts)
+            if "engine" in results:
+                same = same_texts(results[system], results["engine"])
+                results[system].note += f"; {same:.0%} of texts equal the engine's"
+        elif system == llama.NAME:
+            results[system] = llama.run_llama_cpp(peer, tok, wl, args.max_num_seqs)
+            if "engine" in results:
+                same = llama.agreement(results["engine"], results[system])["texts_equal"]
+                results[system].note += (f"; {same:.0%} of outputs equal the engine's (llama.cpp computes in "
+                                         "the file's quantized format)")
+    # llama.cpp computes in the file's quantized format: its tokens are compared, not checked.
+    check_same_tokens(model, wl, {s: r for s, r in results.items() if s != llama.NAME})
+    return results
+
+
+def _llama_cpp_section(args: argparse.Namespace, report: dict, model: Transformer, tok: Tokenizer,
+                       peer: llama.LlamaCpp, first: dict[str, SystemResult]) -> None:
+    """llama.cpp against the engine at batch 1 and 32: as loaded, and each side at its fastest."""
+    # on a CPU in float32, decode steps attend in our C++ kernel (keys read where they lie, no gather for SDPA)
+    decode_kernel = cpu_kernels.unavailable(model.device, model.dtype) is None
+
+    def engine_step(batch: int, new_tokens: int) -> float:
+        return decode_step_time(model, tok, batch, new_tokens, decode_kernel)[0]
+
+    fast, fast_format = fastest_single_stream(model, tok, args.quant_kernel, args.model)
+    fast32, fast32_format = fastest_batch32(model, tok)
+    report[llama.NAME] = llama.llama_cpp_effect(
+        peer, model, tok, args.quick, engine_step, fast_format=fast_format,
+        fast_step=lambda batch, new_tokens: engine_decode_step_time(fast, tok, batch, new_tokens)[0],
+        fast_b32_format=fast32_format,
+        fast_b32_step=lambda batch, new_tokens: engine_decode_step_time(fast32, tok, batch, new_tokens)[0])
+    if decode_kernel:
+        report[llama.NAME]["engine_format"] += ", C++ decode attention"
+    if "engine" in first:
+        report[llama.NAME] |= llama.agreement(first["engine"], first[llama.NAME])
+    report["ratios"]["single_stream_vs_llama_cpp"] = report[llama.NAME]["single_stream_ratio"]
+    report["ratios"]["decode_b32_vs_llama_cpp"] = report[llama.NAME]["decode_b32_ratio"]
+    report["ratios"]["single_stream_fastest_vs_llama_cpp"] = report[llama.NAME]["fast_single_stream_ratio"]
+    report["ratios"]["decode_b32_fastest_vs_llama_cpp"] = report[llama.NAME]["fast_decode_b32_ratio"]

@@ -1,9 +1,9 @@
 """The ``compile`` section: decode steps through torch.compile against the eager engine (chapter 11)."""
 from __future__ import annotations
 
-from enginelib.bench.results import _sync
+from enginelib.bench.results import sync_device
 from enginelib.bench.spec_decode import decode_seconds
-from enginelib.bench.workloads import QUESTIONS, _chat
+from enginelib.bench.workloads import QUESTIONS, chat_prompt
 from enginelib.config import CompileConfig, EngineConfig, SamplingParams
 from enginelib.core.engine import Engine
 from enginelib.core.outputs import RequestOutput
@@ -21,7 +21,7 @@ def _decode(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: in
         ids += [engine.add_request(p, params) for p in prompts[start:start + batch]]
         while engine.has_unfinished_requests():
             finals |= {out.request_id: out for out in engine.step() if out.finished}
-    _sync(engine.model)
+    sync_device(engine.model)
     outs = [finals[i] for i in ids]
     times = [o.metrics.token_times for o in outs]
     return sum(len(t) - 1 for t in times) / decode_seconds(times), [o.outputs[0].token_ids for o in outs]
@@ -42,7 +42,7 @@ def compile_effect(model: Transformer, tok: Tokenizer, quick: bool) -> dict:
         return {"unavailable": reason}
     n, new = (2, 16) if quick else (4, 64)
     sizes = (1,) if quick else (1, 8)
-    chats = [_chat(tok, q) for q in QUESTIONS[:8]]
+    chats = [chat_prompt(tok, q) for q in QUESTIONS[:8]]
     eager = Engine(model, tok, EngineConfig())
     _decode(eager, chats[:1], 4, 1)  # one-off costs out of the measurement
     report = _against_eager(eager, Engine(model, tok, EngineConfig(compile=CompileConfig(batch_sizes=sizes, freeze=True))),

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm  # disable=None: bars on a terminal only, none in logs or notebooks
 
 from enginelib.bench.results import SystemResult
-from enginelib.bench.workloads import QUESTIONS, Workload, _chat
+from enginelib.bench.workloads import QUESTIONS, Workload, chat_prompt
 from enginelib.model.tokenizer import Tokenizer
 
 
@@ -78,8 +78,9 @@ def run_hf_static(hf, tok: Tokenizer, wl: Workload, batch_size: int, device: tor
 
 
 @torch.inference_mode()
-def _hf_single_stream(hf, tok: Tokenizer, device: torch.device, new_tokens: int) -> float:
-    ids = torch.tensor([_chat(tok, QUESTIONS[0])], device=device)
+def hf_single_stream(hf, tok: Tokenizer, device: torch.device, new_tokens: int) -> float:
+    """transformers' single-stream decode tok/s on one chat: the yardstick for our own (the roofline section)."""
+    ids = torch.tensor([chat_prompt(tok, QUESTIONS[0])], device=device)
     hf.generate(ids, max_new_tokens=2, do_sample=False)
     t = time.perf_counter()
     hf.generate(ids, max_new_tokens=new_tokens + 1, do_sample=False, eos_token_id=None)

@@ -30,11 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from enginelib.bench.results import SystemResult, _latencies
-from enginelib.bench.workloads import QUESTIONS, BenchRequest, Workload, _chat
+from enginelib.bench.results import SystemResult, add_latencies
+from enginelib.bench.workloads import QUESTIONS, BenchRequest, Workload, chat_prompt
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 from enginelib.model.weights import resolve
+from enginelib.speed.quant import quant_info
 
 NAME = "llama_cpp"
 INSTALL = ("pip install llama-cpp-python  (it compiles llama.cpp from source for several minutes; "
@@ -83,7 +84,7 @@ def gguf_format(path: Path) -> str:
 def engine_format(model: Transformer) -> str:
     """What the engine's linear layers hold: the dtype, or the quantized format and the head's."""
     dtype = str(model.dtype).removeprefix("torch.")
-    info = getattr(model, "quant_info", None)
+    info = quant_info(model)
     if info is None:
         return dtype
     head = "" if info.head_fmt == info.fmt else f", LM head {info.head_fmt}"
@@ -270,7 +271,7 @@ def run_llama_cpp(peer: LlamaCpp, tok: Tokenizer, wl: Workload, max_num_seqs: in
         result.output_tokens += len(r.tokens)
         result.outputs.append(r.tokens)
         result.texts.append(tok.decode(r.tokens))
-        _latencies(result, r.arrival, r.times)
+        add_latencies(result, r.arrival, r.times)
         result.timings.append((r.arrival, r.times))
     return result
 
@@ -283,7 +284,7 @@ def decode_step_time(peer: LlamaCpp, tok: Tokenizer, batch: int, new_tokens: int
     """
     if batch > peer.max_num_seqs:
         raise ValueError(f"batch {batch} > the {peer.max_num_seqs} sequences this LlamaCpp holds")
-    prompts = [_chat(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(batch)]
+    prompts = [chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(batch)]
     rows = [(seq, p, 0) for seq, p in enumerate(prompts)]
     times = []
     for step in range(new_tokens):

@@ -1,11 +1,31 @@
 """What the run prints and the ratios it derives: a table per workload and a summary of every section."""
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+
 from enginelib.bench.endpoint import ENDPOINT
 from enginelib.bench.results import SystemResult
 
 
-def _ratios(systems: dict) -> dict:
+@contextlib.contextmanager
+def progress(part: str) -> Iterator[None]:
+    """A line to stderr as a part of the run starts and one as it ends, with its seconds: a run that takes
+    minutes shows where it is, and which part took them (stdout keeps the report)."""
+    print(f"bench: {part} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(f"bench: {part} failed after {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        raise
+    print(f"bench: {part} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def throughput_ratios(systems: dict) -> dict:
+    """tok/s of one system over another's on the same workload (None where either did not run)."""
     def ratio(a: str, b: str) -> float | None:
         return systems[a]["tok_per_s"] / systems[b]["tok_per_s"] if a in systems and b in systems else None
 
@@ -19,7 +39,8 @@ def _fmt(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if x is None else f"{x * scale:.{digits}f}"
 
 
-def _print_table(name: str, results: dict[str, SystemResult]) -> None:
+def print_table(name: str, results: dict[str, SystemResult]) -> None:
+    """One workload's systems side by side (printed as each workload ends, so a long run shows progress)."""
     base = results.get("naive")
     print(f"\nworkload {name}")
     print(f"{'system':<10} {'tok/s':>8} {'x naive':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
@@ -32,7 +53,8 @@ def _print_table(name: str, results: dict[str, SystemResult]) -> None:
               f"{_fmt(s['e2e_p50_s'], 1, 2):>7}s  {r.note.strip('; ')}")
 
 
-def _print_summary(report: dict) -> None:
+def print_summary(report: dict) -> None:
+    """Every section's headline figures in a few lines (the JSON holds the rest)."""
     r = report["ratios"]
     print("\nratios: " + ", ".join(f"{k} {_fmt(v, 1, 2)}" for k, v in r.items()))
     print(f"machine: {report['machine_peak_flops'] / 1e9:.0f} GFLOP/s matmul peak, "

@@ -39,20 +39,20 @@ class SystemResult:
     def summary(self) -> dict:
         return {"tok_per_s": self.tok_per_s, "output_tokens": self.output_tokens, "seconds": self.seconds,
                 "requests": self.requests,
-                "ttft_p50_s": _pct(self.ttft, 50), "ttft_p99_s": _pct(self.ttft, 99),
-                "tpot_p50_s": _pct(self.tpot, 50), "tpot_p99_s": _pct(self.tpot, 99),
-                "itl_p99_s": _pct(self.itl, 99), "prefix_hit_rate": self.prefix_hit_rate,
-                "e2e_p50_s": _pct(self.e2e, 50), "note": self.note}
+                "ttft_p50_s": nearest_rank(self.ttft, 50), "ttft_p99_s": nearest_rank(self.ttft, 99),
+                "tpot_p50_s": nearest_rank(self.tpot, 50), "tpot_p99_s": nearest_rank(self.tpot, 99),
+                "itl_p99_s": nearest_rank(self.itl, 99), "prefix_hit_rate": self.prefix_hit_rate,
+                "e2e_p50_s": nearest_rank(self.e2e, 50), "note": self.note}
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def nearest_rank(values: list[float], q: float) -> float | None:
     """Nearest rank (:func:`loadgen.percentile`): every percentile reported is a latency that was measured."""
     from enginelib.serve.loadgen import percentile  # imported when used: the loader pulls in the openai client
 
     return percentile(values, q)
 
 
-def _latencies(result: SystemResult, arrival: float, token_times: list[float]) -> None:
+def add_latencies(result: SystemResult, arrival: float, token_times: list[float]) -> None:
     """Add one request's TTFT, TPOT and end-to-end latency (absolute perf_counter times)."""
     result.ttft.append(token_times[0] - arrival)
     if len(token_times) > 1:
@@ -61,18 +61,19 @@ def _latencies(result: SystemResult, arrival: float, token_times: list[float]) -
     result.e2e.append(token_times[-1] - arrival)
 
 
-def _same_texts(a: SystemResult, b: SystemResult) -> float | None:
+def same_texts(a: SystemResult, b: SystemResult) -> float | None:
     """Fraction of requests whose texts are equal (greedy: the server must say what the engine says)."""
     n = min(len(a.texts), len(b.texts))
     return sum(x == y for x, y in zip(a.texts, b.texts)) / n if n else None
 
 
-def _sync(model: Transformer) -> None:
+def sync_device(model: Transformer) -> None:
+    """Wait for the model's device: a CUDA kernel still running must count in the time taken."""
     if model.device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def _check_same_tokens(model: Transformer, wl: Workload, results: dict[str, SystemResult]) -> None:
+def check_same_tokens(model: Transformer, wl: Workload, results: dict[str, SystemResult]) -> None:
     """Every system must produce the same greedy tokens per request: note any that differ.
 
     Identical, or diverging only at a near-tie of the float32 reference

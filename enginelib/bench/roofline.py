@@ -6,15 +6,15 @@ import time
 
 import torch
 
-from enginelib.bench.hf import _hf_single_stream
-from enginelib.bench.workloads import QUESTIONS, _chat
+from enginelib.bench.hf import hf_single_stream
+from enginelib.bench.workloads import QUESTIONS, chat_prompt
 from enginelib.config import EngineConfig, SamplingParams, SchedulerConfig
 from enginelib.core.engine import Engine
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 
 
-def _best_time(work, device: torch.device, repeats: int, min_seconds: float) -> float:
+def best_time(work, device: torch.device, repeats: int, min_seconds: float) -> float:
     """Fastest of at least ``repeats`` timed calls (after one warm-up) spread over ``min_seconds``:
     a roof is the best the machine does, and a short burst of other work must not set it."""
     work()
@@ -34,13 +34,13 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats
                 min_seconds: float = 1.5) -> float:
     """Best FLOP/s of a square matmul: the compute roof."""
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n ** 3 / _best_time(lambda: a @ b, device, repeats, min_seconds)
+    return 2 * n ** 3 / best_time(lambda: a @ b, device, repeats, min_seconds)
 
 
 def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 10, min_seconds: float = 1.0) -> float:
     """Best bytes/s of summing a large float32 tensor: the memory roof for decode."""
     x = torch.ones(megabytes * 2**20 // 4, device=device)
-    return x.nbytes / _best_time(x.sum, device, repeats, min_seconds)
+    return x.nbytes / best_time(x.sum, device, repeats, min_seconds)
 
 
 def decode_flops_per_token(model: Transformer, context: int) -> float:
@@ -57,26 +57,37 @@ def decode_step_time(model: Transformer, tok: Tokenizer, batch: int, new_tokens:
                      decode_kernel: bool = False) -> tuple[float, int]:
     """Median time of pure decode steps with ``batch`` running requests, and their mean context
     (``decode_kernel``: EngineConfig's ``cpu_decode_kernel``)."""
-    engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(batch, max(2048, batch * 64)), record=True,
+    engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(batch, max(2048, batch * 64)),
                                              cpu_decode_kernel=decode_kernel))
     return engine_decode_step_time(engine, tok, batch, new_tokens)
 
 
 def engine_decode_step_time(engine: Engine, tok: Tokenizer, batch: int, new_tokens: int) -> tuple[float, int]:
-    """:func:`decode_step_time` on an engine already built (``record=True``), e.g. one compiled once."""
+    """:func:`decode_step_time` on an engine already built, e.g. one compiled once.
+
+    Each step is timed around ``engine.step()`` itself, as users run it (no step snapshots, ``record``):
+    a step counts when all ``batch`` requests run, none waits and each has its first token (pure decode).
+    The context is the mean number of cached tokens per request before those steps."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(_chat(tok, QUESTIONS[i % len(QUESTIONS)]), params)
-    first = len(engine.history)
+        engine.add_request(chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)]), params)
+    times, contexts = [], []
+    scheduler = engine.scheduler
     while engine.has_unfinished_requests():
+        running = list(scheduler.running)
+        decode = not scheduler.waiting and len(running) == batch and all(r.output_token_ids for r in running)
+        start = time.perf_counter()
         engine.step()
-    history = engine.history[first:]
-    times = [b.time - a.time for a, b in zip(history, history[1:]) if not b.prefill and len(b.scheduled) == batch]
-    context = statistics.mean(sum(b.num_cached.values()) / batch for b in history if b.num_cached)
-    return statistics.median(times), int(context)
+        if decode:
+            times.append(time.perf_counter() - start)
+            contexts.append(sum(r.num_computed_tokens for r in running) / batch)
+    if not times:
+        raise ValueError(f"no step decoded all {batch} requests at once: give each more than 1 new token, and "
+                         f"the engine room for {batch} running requests")
+    return statistics.median(times), int(statistics.mean(contexts))
 
 
-def _roofline(model: Transformer, tok: Tokenizer, hf, device: torch.device, quick: bool) -> dict:
+def roofline_figures(model: Transformer, tok: Tokenizer, hf, device: torch.device, quick: bool) -> dict:
     """Peak, bandwidth, decode MFU at batch 32, and single-stream decode against the bandwidth roof."""
     peak = matmul_peak(device, model.dtype)
     bandwidth = read_bandwidth(device)
@@ -85,10 +96,10 @@ def _roofline(model: Transformer, tok: Tokenizer, hf, device: torch.device, quic
     weight_bytes = model.num_parameters() * model.dtype.itemsize
     roof_tok_s = bandwidth / weight_bytes
     single, _ = decode_step_time(model, tok, 1, 16 if quick else 64)
-    hf_single = _hf_single_stream(hf, tok, device, 16 if quick else 64) if hf is not None else None
+    hf_single = hf_single_stream(hf, tok, device, 16 if quick else 64) if hf is not None else None
     return {"machine_peak_flops": peak, "machine_read_bandwidth": bandwidth,
             "mfu_decode_b32": mfu, "decode_b32_step_s": step,
             "single_stream_tok_per_s": 1 / single, "single_stream_roofline_tok_per_s": roof_tok_s,
             "single_stream_roofline_frac": (1 / single) / roof_tok_s,
             "hf_single_stream_tok_per_s": hf_single,
-            "_single_stream_vs_hf": (1 / single) / hf_single if hf_single else None}
+            "single_stream_vs_hf": (1 / single) / hf_single if hf_single else None}

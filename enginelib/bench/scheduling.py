@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from enginelib.bench.results import SystemResult, _check_same_tokens, _latencies, _pct
+from enginelib.bench.results import SystemResult, add_latencies, check_same_tokens, nearest_rank
 from enginelib.bench.systems import run_engine
 from enginelib.bench.workloads import Workload, make_workload
 from enginelib.config import EngineConfig
@@ -16,9 +16,9 @@ def prefix_cache_effect(model: Transformer, tok: Tokenizer, config: EngineConfig
     wl = make_workload("shared-prefix", tok, quick)
     on = run_engine(model, tok, wl, dataclasses.replace(config, enable_prefix_caching=True))
     off = run_engine(model, tok, wl, dataclasses.replace(config, enable_prefix_caching=False))
-    _check_same_tokens(model, wl, {"kv_cache": off, "engine": on})  # off is the reference here
-    return {"ttft_p50_on_s": _pct(on.ttft, 50), "ttft_p50_off_s": _pct(off.ttft, 50),
-            "ttft_ratio": _pct(on.ttft, 50) / _pct(off.ttft, 50), "hit_rate": on.prefix_hit_rate,
+    check_same_tokens(model, wl, {"kv_cache": off, "engine": on})  # off is the reference here
+    return {"ttft_p50_on_s": nearest_rank(on.ttft, 50), "ttft_p50_off_s": nearest_rank(off.ttft, 50),
+            "ttft_ratio": nearest_rank(on.ttft, 50) / nearest_rank(off.ttft, 50), "hit_rate": on.prefix_hit_rate,
             "tok_per_s_on": on.tok_per_s, "tok_per_s_off": off.tok_per_s, "note": on.note.strip("; ")}
 
 
@@ -43,14 +43,15 @@ def chunked_prefill_effect(model: Transformer, tok: Tokenizer, config: EngineCon
         gaps = SystemResult("short", 0, 0, 1.0)
         for req, (arrival, times) in zip(wl.requests, r.timings):
             if req.arrival_step == 0:
-                _latencies(gaps, arrival, times)
-        decode_itl[chunked] = _pct(gaps.itl, 99)
-    _check_same_tokens(model, wl, {"kv_cache": runs[False], "engine": runs[True]})
+                add_latencies(gaps, arrival, times)
+        decode_itl[chunked] = nearest_rank(gaps.itl, 99)
+    check_same_tokens(model, wl, {"kv_cache": runs[False], "engine": runs[True]})
+    long_ttft = {on: nearest_rank([t for q, t in zip(wl.requests, runs[on].ttft) if q.arrival_step], 50)
+                 for on in (True, False)}
     return {"budget": budget, "short_requests": len(short.requests),
             "tpot_p99_on_s": decode_itl[True], "tpot_p99_off_s": decode_itl[False],
             "tpot_p99_ratio": decode_itl[True] / decode_itl[False],
-            "ttft_p50_long_on_s": _pct([t for q, t in zip(wl.requests, runs[True].ttft) if q.arrival_step], 50),
-            "ttft_p50_long_off_s": _pct([t for q, t in zip(wl.requests, runs[False].ttft) if q.arrival_step], 50),
+            "ttft_p50_long_on_s": long_ttft[True], "ttft_p50_long_off_s": long_ttft[False],
             "note": runs[True].note.strip("; ")}
 
 

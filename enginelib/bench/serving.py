@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from enginelib.bench.endpoint import run_endpoint, served_model_name
-from enginelib.bench.results import _pct, _same_texts
+from enginelib.bench.results import nearest_rank, same_texts
 from enginelib.bench.systems import run_engine
-from enginelib.bench.workloads import BenchRequest, Workload, _chat
+from enginelib.bench.workloads import BenchRequest, Workload, chat_prompt
 from enginelib.config import EngineConfig
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
@@ -48,7 +48,7 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
     flat = Workload(wl.name, [dataclasses.replace(r, arrival_step=0) for r in wl.requests], wl.ignore_eos)
     sched = dataclasses.replace(config.scheduler, max_num_seqs=concurrency)
     same = dataclasses.replace(config, scheduler=sched)
-    warm = Workload("warm-up", [BenchRequest(_chat(tok, "hi"), 4)])
+    warm = Workload("warm-up", [BenchRequest(chat_prompt(tok, "hi"), 4)])
     run_engine(model, tok, warm, same)  # one-off costs out of the measurement, as the server's warm-up below
     offline = run_engine(model, tok, flat, same)
     name = served_model_name(server.url)
@@ -56,7 +56,7 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
     served = run_endpoint(server.url, name, tok, flat, concurrency, name="server")
     return {"throughput_ratio": served.tok_per_s / offline.tok_per_s, "server_tok_per_s": served.tok_per_s,
             "offline_tok_per_s": offline.tok_per_s, "concurrency": concurrency, "requests": len(flat.requests),
-            "ttft_p50": _pct(served.ttft, 50), "ttft_p99": _pct(served.ttft, 99),
-            "tpot_p50": _pct(served.tpot, 50), "tpot_p99": _pct(served.tpot, 99),
-            "offline_ttft_p50": _pct(offline.ttft, 50), "offline_tpot_p50": _pct(offline.tpot, 50),
-            "texts_equal": _same_texts(served, offline), "note": served.note}
+            "ttft_p50": nearest_rank(served.ttft, 50), "ttft_p99": nearest_rank(served.ttft, 99),
+            "tpot_p50": nearest_rank(served.tpot, 50), "tpot_p99": nearest_rank(served.tpot, 99),
+            "offline_ttft_p50": nearest_rank(offline.ttft, 50), "offline_tpot_p50": nearest_rank(offline.tpot, 50),
+            "texts_equal": same_texts(served, offline), "note": served.note}

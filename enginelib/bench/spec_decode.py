@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from enginelib.bench.results import _sync
-from enginelib.bench.workloads import QUESTIONS, _chat, extractive_prompts
+from enginelib.bench.results import sync_device
+from enginelib.bench.workloads import QUESTIONS, chat_prompt, extractive_prompts
 from enginelib.config import CompileConfig, EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
 from enginelib.core.engine import Engine
 from enginelib.core.outputs import RequestOutput
@@ -56,7 +56,7 @@ def run_on(engine: Engine, prompts: list[list[int]], max_tokens: int) -> SpecRun
     finals: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         finals |= {out.request_id: out for out in engine.step() if out.finished}
-    _sync(engine.model)
+    sync_device(engine.model)
     outs = [finals[i] for i in ids]
     times = [o.metrics.token_times for o in outs]
     decoded = sum(len(t) - 1 for t in times)
@@ -103,7 +103,7 @@ def spec_decode_effect(model: Transformer, tok: Tokenizer, quick: bool, k: int, 
     drafted = SpeculativeConfig(method="draft", num_speculative_tokens=k, draft_model=draft, compile_draft=compiled)
     draft_format += ", compiled" if compiled else ""
     n, new, new8, n_ext = (2, 24, 12, 1) if quick else (8, 128, 64, 4)
-    chats = [_chat(tok, q) for q in QUESTIONS[:max(n, 8)]]
+    chats = [chat_prompt(tok, q) for q in QUESTIONS[:max(n, 8)]]
     copy = extractive_prompts(tok, n_ext)
     for cfg in (None, ngram, drafted):  # one-off costs out of the measurement: a short run of each, guesses included
         run_spec(model, tok, copy[:1], 6, 1, cfg)

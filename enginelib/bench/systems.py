@@ -7,7 +7,7 @@ from collections.abc import Callable
 from tqdm import tqdm  # disable=None: bars on a terminal only, none in logs or notebooks
 
 from enginelib.baselines.generate import generate_static
-from enginelib.bench.results import SystemResult, _latencies, _sync
+from enginelib.bench.results import SystemResult, add_latencies, sync_device
 from enginelib.bench.workloads import Workload
 from enginelib.config import EngineConfig, SamplingParams
 from enginelib.core.engine import Engine
@@ -31,10 +31,10 @@ def run_one_at_a_time(name: str, generate: Callable, model: Transformer, tok: To
             time.sleep(arrival - time.perf_counter())
         began = time.perf_counter()
         gen = generate(model, r.prompt_ids, wl.params(r), tok.eos_token_id)
-        _sync(model)
+        sync_device(model)
         result.output_tokens += len(gen.token_ids)
         result.outputs.append(gen.token_ids)
-        _latencies(result, arrival, [began + t for t in gen.token_times])
+        add_latencies(result, arrival, [began + t for t in gen.token_times])
     result.seconds = time.perf_counter() - start
     return result
 
@@ -53,12 +53,12 @@ def run_static(model: Transformer, tok: Tokenizer, wl: Workload, batch_size: int
         run = generate_static(model, [r.prompt_ids for r in group],
                               SamplingParams(temperature=0, max_tokens=longest, ignore_eos=wl.ignore_eos),
                               tok.eos_token_id)
-        _sync(model)
+        sync_device(model)
         for r, gen in zip(group, run.generations):
             mine = gen.token_ids[:r.max_tokens]  # tokens past a request's own limit are waste, not output
             result.output_tokens += len(mine)
             result.outputs.append(mine)
-            _latencies(result, start + r.arrival_s, [began + t for t in gen.token_times[:len(mine)]])
+            add_latencies(result, start + r.arrival_s, [began + t for t in gen.token_times[:len(mine)]])
     result.seconds = time.perf_counter() - start
     return result
 
@@ -84,7 +84,7 @@ def run_engine(model: Transformer, tok: Tokenizer, wl: Workload, config: EngineC
             done = [out for out in engine.step() if out.finished]
             finals |= {out.request_id: out for out in done}
             bar.update(len(done))
-    _sync(model)
+    sync_device(model)
     result.seconds = time.perf_counter() - start
     if config.enable_prefix_caching:
         result.prefix_hit_rate = engine.kv.stats.hit_rate
@@ -96,6 +96,6 @@ def run_engine(model: Transformer, tok: Tokenizer, wl: Workload, config: EngineC
         # A request injected at a step arrives when it is added; one with an arrival time arrives then,
         # even if a busy step delayed its add (that wait is part of its latency).
         arrival = out.metrics.arrival_time if wl.requests[i].arrival_step else start + wl.requests[i].arrival_s
-        _latencies(result, arrival, out.metrics.token_times)
+        add_latencies(result, arrival, out.metrics.token_times)
         result.timings.append((arrival, out.metrics.token_times))
     return result

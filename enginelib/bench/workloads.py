@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from enginelib.bench.quality import shakespeare
 from enginelib.config import SamplingParams
 from enginelib.model.tokenizer import Tokenizer
 
@@ -41,7 +42,8 @@ class Workload:
         return SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=self.ignore_eos)
 
 
-def _chat(tok: Tokenizer, question: str, system: str | None = None) -> list[int]:
+def chat_prompt(tok: Tokenizer, question: str, system: str | None = None) -> list[int]:
+    """The token ids of a one-question chat (and an optional system prompt): every system gets the same ids."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
     return tok.encode(tok.apply_chat_template(messages))
 
@@ -51,7 +53,7 @@ def make_workload(name: str, tok: Tokenizer, quick: bool = False, rate: float = 
     rng = random.Random(0)
     if name == "seed":  # the seed project's benchmark: 28 prompts, 6 more after the 5th step, 128 tokens
         first, later, new = (12, 4, 32) if quick else (28, 6, 128)
-        reqs = [BenchRequest(_chat(tok, QUESTIONS[i % len(QUESTIONS)]), new, arrival_step=0 if i < first else 5)
+        reqs = [BenchRequest(chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)]), new, arrival_step=0 if i < first else 5)
                 for i in range(first + later)]
         return Workload(name, reqs)
     if name == "mixed":  # long-tailed prompt and output lengths
@@ -60,27 +62,27 @@ def make_workload(name: str, tok: Tokenizer, quick: bool = False, rate: float = 
         for i in range(n):
             words = min(300, int(rng.lognormvariate(3.0, 1.0)))
             question = QUESTIONS[i % len(QUESTIONS)] + " " + " ".join(rng.choice(QUESTIONS).split()[:1] * words)
-            reqs.append(BenchRequest(_chat(tok, question), max(4, min(cap, int(rng.lognormvariate(3.5, 0.8))))))
+            reqs.append(BenchRequest(chat_prompt(tok, question), max(4, min(cap, int(rng.lognormvariate(3.5, 0.8))))))
         return Workload(name, reqs)
     if name == "poisson":  # arrivals at `rate` requests per second
         n, new = (12, 24) if quick else (32, 64)
         t, reqs = 0.0, []
         for i in range(n):
             t += rng.expovariate(rate)
-            reqs.append(BenchRequest(_chat(tok, QUESTIONS[i % len(QUESTIONS)]), new, arrival_s=t))
+            reqs.append(BenchRequest(chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)]), new, arrival_s=t))
         return Workload(name, reqs)
     if name == "shared-prefix":  # many requests behind one long system prompt
         n, new = (12, 24) if quick else (32, 64)
         system = ("You are a meticulous assistant for a bakery. Answer briefly and kindly. " * 12).strip()
-        reqs = [BenchRequest(_chat(tok, QUESTIONS[i % len(QUESTIONS)], system), new) for i in range(n)]
+        reqs = [BenchRequest(chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)], system), new) for i in range(n)]
         return Workload(name, reqs)
     if name == "long-prompt":  # short requests decoding when long documents arrive (chunked prefill, chapter 10)
         short, new, long_tokens, at = (6, 40, 700, (6, 18)) if quick else (12, 96, 1500, (8, 30, 60))
-        reqs = [BenchRequest(_chat(tok, QUESTIONS[i % len(QUESTIONS)]), new) for i in range(short)]
+        reqs = [BenchRequest(chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)]), new) for i in range(short)]
         words = " ".join(QUESTIONS).split()
         for i, step in enumerate(at):
             document = " ".join(words[(i * 7 + j) % len(words)] for j in range(long_tokens))
-            ids = _chat(tok, "Summarize this text: " + document)[-long_tokens:]
+            ids = chat_prompt(tok, "Summarize this text: " + document)[-long_tokens:]
             reqs.append(BenchRequest(ids, 4, arrival_step=step))
         return Workload(name, reqs)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
@@ -88,8 +90,6 @@ def make_workload(name: str, tok: Tokenizer, quick: bool = False, rate: float = 
 
 def extractive_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
     """Chats that ask the model to copy a passage of the shipped Shakespeare: what prompt lookup is made for."""
-    from enginelib.speed.quant import shakespeare
-
     lines = [line.strip() for line in shakespeare().splitlines() if len(line.split()) >= 4]
-    return [_chat(tok, "Repeat this passage exactly, word for word:\n\n" + "\n".join(lines[6 * i:6 * i + 6]))
+    return [chat_prompt(tok, "Repeat this passage exactly, word for word:\n\n" + "\n".join(lines[6 * i:6 * i + 6]))
             for i in range(n)]
