@@ -62,9 +62,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if self.temperature < GREEDY_TEMPERATURE:
+        if 0 < self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
-        elif self.temperature < MIN_TEMPERATURE:
+        elif GREEDY_TEMPERATURE <= self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -64,7 +64,12 @@ class Engine:
 
     @property
     def cache(self) -> PagedKVCache:
+        """The runner's paged KV cache; chapter 5 swaps in one of its own (same pool shape) to show it works."""
         return self.runner.cache
+
+    @cache.setter
+    def cache(self, cache: PagedKVCache) -> None:
+        self.runner.cache = cache
 
     def _num_blocks(self) -> int:
         config, cfg, dtype = self.config, self.model.cfg, self.model.dtype
