@@ -1,3 +1,0 @@
-"""The engine core (Part II): blocks, the KV-cache manager, the scheduler, the paged cache, the model
-runner, the output processor and the loop that ties them together. Nothing here imports the speed
-code, the server, the pictures or the benchmark (a test checks it)."""
