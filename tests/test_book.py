@@ -119,3 +119,16 @@ def test_the_readme_points_every_chapter_at_files_that_exist():
         for path in paths:
             where = ROOT / path if path.startswith("enginelib/") else ROOT / "enginelib" / path
             assert where.exists(), f"README: {path} ({row.split(' | ')[1]}) does not exist"
+
+
+def test_references_lists_every_work_a_chapter_cites():
+    """Every link in a chapter's prose (the Colab badges aside) is in book/references.md too."""
+    norm = lambda url: url.split("#")[0].rstrip("/")  # noqa: E731
+    listed = {norm(u) for u in re.findall(r"\]\((https?://[^)\s]+)\)", (ROOT / "book" / "references.md").read_text())}
+    missing = set()
+    for path in sorted((ROOT / "book").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "markdown":
+                missing |= {(path.name, norm(u)) for u in re.findall(r"\]\((https?://[^)\s]+)\)", cell.source)
+                            if "colab.research.google.com" not in u and norm(u) not in listed}
+    assert not missing, f"cited in a chapter but not in book/references.md: {sorted(missing)}"

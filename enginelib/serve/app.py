@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from enginelib.config import CompileConfig, EngineConfig, SamplingParams, SpeculativeConfig
 from enginelib.core.outputs import StreamDelta
 from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestStream
-from enginelib.serve.guard import Guard, is_loopback
+from enginelib.serve.guard import Guard, error_object, is_loopback
 
 if TYPE_CHECKING:
     from enginelib.model.transformer import Transformer
@@ -93,7 +93,7 @@ class CompletionBody(_Body):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")  # extras are checked against UNSUPPORTED
+    model_config = ConfigDict(strict=True, extra="ignore")  # e.g. a participant's "name": not used
     role: Literal["system", "user", "assistant"]
     content: str
 
@@ -112,9 +112,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(error_object(self.status, self.message, self.code, self.param), status_code=self.status,
+                            headers=self.headers)
 
 
 # --- metrics -------------------------------------------------------------------------------

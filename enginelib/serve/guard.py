@@ -42,12 +42,10 @@ def host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> bytes:
+def error_object(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
     """OpenAI's error object, the shape every error of this server takes."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 401:
-        kind = "authentication_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
+    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class Guard:
@@ -61,7 +59,7 @@ class Guard:
             refusal = self.refusal(scope)
             if refusal is not None:
                 status, message, code = refusal
-                body = error_body(status, message, code)
+                body = json.dumps(error_object(status, message, code)).encode()
                 headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
                 if status == 401:
                     headers.append((b"www-authenticate", b"Bearer"))
