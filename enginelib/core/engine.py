@@ -5,10 +5,13 @@ scheduler sees them. That is continuous batching. Each part has its own module:
 the :class:`Scheduler` decides who computes what, the :class:`ModelRunner` turns
 that plan into tokens (and, with a speculative config, proposes guesses and
 verifies them), the :class:`OutputProcessor` turns tokens into text, stop
-strings and metrics.
+strings and metrics. What goes wrong for one request alone (its sampling, its
+text) ends that request with ``finish_reason="error"`` and the others go on; a
+failure of the whole step (the forward pass) raises.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -31,6 +34,7 @@ from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20  # bytes of K/V on a CPU when nothing else is said
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -146,10 +150,12 @@ class Engine:
         scheduled_time = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         if not plan.is_empty:
-            tokens = self.runner.execute(plan)
+            tokens, failed = self.runner.execute(plan)
+            for request, error in failed:
+                self._fail(request, error)
             with record_function("update"):
                 self.scheduler.update(plan, tokens)
-        outputs += self.output.process(plan, scheduled_time, time.perf_counter(), self.scheduler.stop)
+        outputs += self.output.process(plan, scheduled_time, time.perf_counter(), self.scheduler.stop, self._fail)
         ended = [out.request_id for out in outputs if out.finished]
         for request_id in ended:
             self.runner.release(request_id)
@@ -158,6 +164,13 @@ class Engine:
             self.history.append(snapshot(self.steps - 1, plan, (live.request for live in self.output.live.values()),
                                          ended, self.scheduler.running, self.pool))
         return outputs
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        """What went wrong for one request alone (its sampling, its text) ends it with finish_reason "error" and
+        the message in its output; its blocks go back, and the step goes on for the others."""
+        log.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error, exc_info=error)
+        self.scheduler.fail(request)
+        self.output.fail(request, f"{type(error).__name__}: {error}")
 
     def stream(self) -> Iterator[StreamDelta]:
         """Step until every request is done, yielding each request's new text as it comes.

@@ -6,7 +6,8 @@ string completed by the token that reaches ``max_tokens`` still ends the text
 there, with ``finish_reason="stop"``, as in vLLM), stamps each token's time and
 writes the request's metrics, and builds the :class:`RequestOutput` of every
 request that moved. When it finds a stop string it asks the scheduler, which
-alone moves requests between states, to stop the request there.
+alone moves requests between states, to stop the request there; when making one
+request's text raises, that request alone fails (``finish_reason="error"``).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class _Live:
     request: Request
     detokenizer: IncrementalDetokenizer
     num_seen: int = 0  # output tokens already detokenized
+    error: str | None = None  # why it failed (finish_reason "error")
 
 
 class OutputProcessor:
@@ -52,10 +54,11 @@ class OutputProcessor:
         raise ValueError(f"no request {request_id!r}: unknown, or finished more than {KEEP_FINISHED} requests ago "
                          "(keep the RequestOutput that step() returned when it finished)")
 
-    def process(self, plan: SchedulerOutput, scheduled_time: float, now: float,
-                stop: Callable[[Request, int], None]) -> list[RequestOutput]:
+    def process(self, plan: SchedulerOutput, scheduled_time: float, now: float, stop: Callable[[Request, int], None],
+                fail: Callable[[Request, Exception], None]) -> list[RequestOutput]:
         """The outputs of every request that sampled this step (after ``Scheduler.update``). ``stop(request, n)``
-        ends a request whose text holds a stop string after its first ``n`` output tokens."""
+        ends a request whose text holds a stop string after its first ``n`` output tokens; ``fail(request,
+        error)`` one whose text could not be made (its detokenizer or stop strings raised): it fails alone."""
         self.num_preemptions += len(plan.preempted)
         for request in plan.preempted:
             request.metrics.num_preemptions += 1
@@ -69,7 +72,10 @@ class OutputProcessor:
             if not work.samples:
                 continue  # a prefill chunk: nothing to tell yet
             live = self.live[work.request.request_id]
-            self._new_tokens(live, now, stop)
+            try:
+                self._new_tokens(live, now, stop)
+            except Exception as error:  # noqa: BLE001 - this request's text: it fails alone, the others go on
+                fail(work.request, error)
             outputs.append(self.output(live))
             if work.request.is_finished:
                 self._forget(live, now)
@@ -111,6 +117,11 @@ class OutputProcessor:
         live.detokenizer.text = text[:index + length] if params.include_stop_str_in_output else text[:index]
         return True
 
+    def fail(self, request: Request, message: str) -> None:
+        """Keep why a request failed for its last output (the first error: a later one is a consequence)."""
+        live = self.live[request.request_id]
+        live.error = live.error or message
+
     def abort(self, request: Request, now: float) -> RequestOutput:
         """An aborted request's last output; it leaves the live set."""
         live = self.live[request.request_id]
@@ -132,5 +143,6 @@ class OutputProcessor:
     def output(live: _Live) -> RequestOutput:
         r = live.request
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids,
-                             [CompletionOutput(0, live.detokenizer.text, list(r.output_token_ids), r.finish_reason)],
+                             [CompletionOutput(0, live.detokenizer.text, list(r.output_token_ids), r.finish_reason,
+                                               live.error)],
                              r.is_finished, r.metrics)

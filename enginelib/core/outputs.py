@@ -9,7 +9,8 @@ class CompletionOutput:
     index: int
     text: str                  # detokenized, special tokens and any stop string left out
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
+    error: str | None = None   # with "error": what went wrong for this request alone (the engine went on)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None  # with finish_reason "error": what failed this request alone
 
 
 @dataclass
@@ -104,6 +106,6 @@ class DeltaCursor:
         ready = len(done.text) if out.finished else max(self.chars, len(done.text) - self.hold_back)
         delta = StreamDelta(out.request_id, done.text[self.chars:ready], done.token_ids[self.tokens:],
                             out.finished, done.finish_reason, len(out.prompt_token_ids), len(done.token_ids),
-                            out.metrics if out.finished else None)
+                            out.metrics if out.finished else None, done.error)
         self.chars, self.tokens = ready, len(done.token_ids)
         return delta

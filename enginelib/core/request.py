@@ -25,7 +25,7 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" (its own failure)
     num_computed_tokens: int = 0      # tokens whose K/V are in the cache (or found in the prefix cache)
     block_table: list[int] = field(default_factory=list)  # written by the KVCacheManager only
     block_hashes: list[int] = field(default_factory=list)  # of its full blocks, for the prefix cache

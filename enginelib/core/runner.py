@@ -113,9 +113,11 @@ class ModelRunner:
 
     # --- one step -----------------------------------------------------------------------
 
-    def execute(self, plan: SchedulerOutput) -> list[int | list[int]]:
+    def execute(self, plan: SchedulerOutput) -> tuple[list[int | list[int]], list[tuple[Request, Exception]]]:
         """The step's tokens: one sampled token per work that ``samples``, or a verified run for a work with
-        guesses (see :mod:`enginelib.speed.speculative`)."""
+        guesses (see :mod:`enginelib.speed.speculative`); and the requests whose own sampling failed, with
+        the error. Such a request fails alone: its entry in the tokens is a placeholder the scheduler drops.
+        A failure of the whole step (the forward pass) raises."""
         with record_function("prepare"):
             seqs = [SequenceWork(w.request.token_slice(w.start, w.start + w.num_tokens - len(w.draft_token_ids))
                                  + w.draft_token_ids, w.start, w.request.block_table, w.samples, len(w.draft_token_ids))
@@ -132,37 +134,49 @@ class ModelRunner:
             # generators), then one transfer brings the whole step's tokens to the host: one sync per step.
             tokens = logits.argmax(dim=-1)
             sampling = [w for w in plan.scheduled if w.samples]
+            rows, verdicts, failed = self._sample(sampling, logits, tokens)
             if not any(w.draft_token_ids for w in sampling):
-                for row, work in enumerate(sampling):
-                    if not work.request.params.greedy:
-                        tokens[row:row + 1] = sample(logits[row:row + 1], work.request.params,
-                                                     self._generators[work.request.request_id])
-                return tokens.tolist()
-            return self._verify(sampling, logits, tokens)
+                return tokens.tolist(), failed
+            return self._verify(sampling, tokens, rows, verdicts, failed), failed
 
-    def _verify(self, sampling: list[ScheduledWork], logits: torch.Tensor, tokens: torch.Tensor) -> list[int | list[int]]:
-        """Sample a step with guesses: k + 1 rows per work that guesses, one transfer to the host at the end."""
-        from enginelib.speed.speculative import accept_greedy, rejection_sample
-
-        rows, verdicts = [], []  # each work's first row; the [accepted, token] tensors of sampled verifications
+    def _sample(self, sampling: list[ScheduledWork], logits: torch.Tensor, tokens: torch.Tensor):
+        """Sample each work that is not greedy with its request's own generator: its token into ``tokens``
+        (greedy ones keep the argmax), or for a work with guesses a verdict tensor [accepted, token].
+        Returns each work's first row, the verdicts, and the requests that failed here, with the error."""
+        rows, verdicts, failed = [], [], []
         row = 0
         for work in sampling:
             request, n = work.request, 1 + len(work.draft_token_ids)
             rows.append(row)
             if not request.params.greedy:
-                generator = self._generators[request.request_id]
-                if work.draft_token_ids:
-                    verdicts.append(rejection_sample(logits[row:row + n], work.draft_token_ids, request.params,
-                                                     generator))
-                else:
-                    tokens[row:row + 1] = sample(logits[row:row + 1], request.params, generator)
+                try:  # one request's own failure (e.g. NaN probabilities in its row): it fails alone
+                    generator = self._generators[request.request_id]
+                    if work.draft_token_ids:
+                        from enginelib.speed.speculative import rejection_sample
+
+                        verdicts.append(rejection_sample(logits[row:row + n], work.draft_token_ids, request.params,
+                                                         generator))
+                    else:
+                        tokens[row:row + 1] = sample(logits[row:row + 1], request.params, generator)
+                except Exception as error:  # noqa: BLE001 - the request fails with it, the step goes on
+                    failed.append((request, error))
             row += n
+        return rows, verdicts, failed
+
+    def _verify(self, sampling: list[ScheduledWork], tokens: torch.Tensor, rows: list[int],
+                verdicts: list[torch.Tensor], failed: list[tuple[Request, Exception]]) -> list[int | list[int]]:
+        """A step with guesses: each work's verified run (k + 1 rows for a work that guesses), from one
+        transfer to the host. A request in ``failed`` gets a placeholder."""
+        from enginelib.speed.speculative import accept_greedy
+
+        row = len(tokens)  # the verdicts follow the tokens on the host
         host = torch.cat([tokens, *verdicts]).tolist()
         sampled = iter(zip(host[row::2], host[row + 1::2]))
+        gone = {request.request_id for request, _ in failed}
         out: list[int | list[int]] = []
         for work, first in zip(sampling, rows):
             guesses = work.draft_token_ids
-            if not guesses:
+            if not guesses or work.request.request_id in gone:
                 out.append(host[first])
                 continue
             if work.request.params.greedy:

@@ -183,6 +183,10 @@ class Scheduler:
         sampled = iter(tokens)
         for work in out.scheduled:
             request = work.request
+            if request.is_finished:  # it failed earlier in this step (see ``fail``): what it sampled is dropped
+                if work.samples:
+                    next(sampled)
+                continue
             if work.draft_token_ids:
                 if self._update_verified(work, next(sampled)):
                     finished.append(request)
@@ -222,7 +226,7 @@ class Scheduler:
         return False
 
     def finish(self, request: Request, reason: str) -> None:
-        """End a request (stopped, out of length, or aborted) and give its blocks back."""
+        """End a request (stopped, out of length, aborted, or failed) and give its blocks back."""
         if request.is_finished:
             return
         if request in self.running:
@@ -232,6 +236,12 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def fail(self, request: Request) -> None:
+        """A request's own error (the engine caught it: its sampling, its text) ends it alone, with the reason
+        "error" even if a token already ended it in this step; its blocks go back, the others go on."""
+        self.finish(request, "error")
+        request.finish_reason = "error"
 
     def stop(self, request: Request, num_output_tokens: int) -> None:
         """A stop string ends the request after its first ``num_output_tokens`` tokens (the output processor

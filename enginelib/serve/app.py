@@ -6,8 +6,9 @@ Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (with
 ``stream: true`` as server-sent events), ``/health`` and ``/metrics``
 (Prometheus). Every connection's request goes into the one engine loop, so
 clients share decode steps. Bad requests get a 4xx in OpenAI's error shape; a
-full waiting queue gets a 503 with ``Retry-After``; a client that disconnects
-has its request aborted.
+full waiting queue gets a 503 with ``Retry-After``; a request that fails inside
+the engine gets a 500 (a stream: an error event, then ``[DONE]``) while the
+others go on; a client that disconnects has its request aborted.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from enginelib.config import CompileConfig, EngineConfig, SamplingParams, SpeculativeConfig
 from enginelib.core.outputs import StreamDelta
-from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestStream
+from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed, RequestStream
 from enginelib.serve.guard import Guard, error_object, is_loopback
 
 if TYPE_CHECKING:
@@ -417,11 +418,14 @@ async def _sse(stream: RequestStream, chunks: _Chunks, metrics: ServerMetrics, i
                 yield _sse_line(chunks.chunk(None if chunks.kind == "chat" else "", delta.finish_reason))
                 if include_usage:
                     yield _sse_line(chunks.usage_chunk(delta))
-        yield _sse_line("[DONE]")
-    except EngineDead as error:
-        yield _sse_line(ApiError(503, str(error)).response().body.decode())
+    except EngineDead as error:  # a stream that ends in an error still ends cleanly: the error, then [DONE]
+        yield _sse_line(error_object(503, str(error)))
+    except RequestFailed as error:
+        metrics.observe(error.delta)
+        yield _sse_line(error_object(500, str(error)))
     finally:
         stream.close()
+    yield _sse_line("[DONE]")
 
 
 async def _collect(stream: RequestStream, chunks: _Chunks, metrics: ServerMetrics) -> Response:
@@ -434,6 +438,9 @@ async def _collect(stream: RequestStream, chunks: _Chunks, metrics: ServerMetric
                 return JSONResponse(chunks.whole("".join(texts), delta.finish_reason, delta))
     except EngineDead as error:
         raise ApiError(503, str(error)) from None
+    except RequestFailed as error:  # this request alone: the server goes on
+        metrics.observe(error.delta)
+        raise ApiError(500, str(error)) from None
     finally:
         stream.close()
     raise ApiError(500, "the request ended without a final output")

@@ -40,6 +40,15 @@ class EngineDead(RuntimeError):
     """The engine loop stopped on an error; every request in flight got it, and no new one is taken."""
 
 
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine (``finish_reason="error"``: its sampling or its text); the engine
+    and every other request went on. ``delta`` is its last delta (``error`` says why, with its metrics)."""
+
+    def __init__(self, delta: StreamDelta) -> None:
+        super().__init__(f"request {delta.request_id} failed in the engine: {delta.error}")
+        self.delta = delta
+
+
 @dataclass
 class _Stream:
     """Where one request's deltas go: the caller's event loop and queue."""
@@ -88,7 +97,8 @@ class AsyncEngine:
         """Queue a request and yield its deltas until it finishes.
 
         If the caller stops iterating early (a client disconnected), the request
-        is aborted and its blocks go back to the pool within a step.
+        is aborted and its blocks go back to the pool within a step. A request
+        that fails in the engine raises :class:`RequestFailed` (the engine goes on).
         """
         stream = await self.add_request(prompt, params, request_id)
         try:
@@ -202,7 +212,8 @@ class AsyncEngine:
 
 
 class RequestStream:
-    """One request's deltas, as an async iterator; ``close()`` aborts it if it has not finished."""
+    """One request's deltas, as an async iterator; ``close()`` aborts it if it has not finished. A request that
+    failed in the engine raises :class:`RequestFailed` in place of its last delta."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, deltas: asyncio.Queue) -> None:
         self.engine, self.request_id, self._deltas = engine, request_id, deltas
@@ -219,6 +230,8 @@ class RequestStream:
             self.finished = True
             raise delta if isinstance(delta, EngineDead) else EngineDead(f"the engine loop stopped: {delta!r}")
         self.finished = delta.finished
+        if delta.finish_reason == "error":
+            raise RequestFailed(delta)
         return delta
 
     def close(self) -> None:
