@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -29,6 +30,7 @@ SCHEMA = [  # the core: every run has these
     "machine.formats.llama_cpp", "machine.sections", "ratios.engine_vs_llama_cpp", "ratios.single_stream_vs_llama_cpp",
     "ratios.decode_b32_vs_llama_cpp",
     "prefix_cache.ttft_ratio", "prefix_cache.hit_rate", "chunked_prefill.tpot_p99_ratio",
+    "chunked_prefill.long_prompt_tokens", "machine.gpu",
 ]
 SECTION_SCHEMA = {  # the slow sections (--sections): checked where the run has them
     "serve": ["serve.throughput_ratio", "serve.server_tok_per_s", "serve.offline_tok_per_s", "serve.concurrency",
@@ -146,6 +148,26 @@ def test_workloads_are_deterministic(real):
     assert sum(r.arrival_step == 5 for r in seed.requests) == 6
 
 
+def test_the_chunked_prefill_workload_scales_its_long_prompts_to_a_gpu(real, monkeypatch):
+    """700 tokens stall no one on a GPU: there the long prompts fill most of the context (faked: no GPU needed)."""
+    from enginelib.bench.scheduling import GPU_LONG_PROMPT, long_prompt_tokens
+    from enginelib.model.transformer import Transformer
+
+    def longs(wl: bench.Workload) -> list[int]:  # the long prompts' lengths (they arrive later)
+        return [len(r.prompt_ids) for r in wl.requests if r.arrival_step]
+
+    model, tok = real
+    assert longs(bench.make_workload("long-prompt", tok, quick=True)) == [700, 700]  # a CPU's, as before
+    if model.device.type == "cpu":
+        assert long_prompt_tokens(model) is None
+    monkeypatch.setattr(Transformer, "device", property(lambda self: torch.device("cuda")))
+    n = long_prompt_tokens(model)
+    assert n == min(GPU_LONG_PROMPT, model.cfg.context_length - 64) == 8000  # SmolLM2: a context of 8192
+    wl = bench.make_workload("long-prompt", tok, quick=True, long_tokens=n)
+    assert longs(wl) == [n, n] and all(len(r.prompt_ids) + r.max_tokens <= model.cfg.context_length
+                                       for r in wl.requests)
+
+
 def test_the_step_profile_splits_the_forward_pass_without_losing_time(real):
     model, tok = real
     engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4)))
@@ -158,6 +180,34 @@ def test_the_step_profile_splits_the_forward_pass_without_losing_time(real):
     assert {"forward: matmuls", "forward: attention", "forward: KV gather", "forward: KV write"} <= set(parts)
     assert sum(parts.values()) == pytest.approx(profile["forward"])
     assert profile["forward: matmuls"] > profile["forward: KV write"] > 0
+
+
+def test_on_a_gpu_every_phase_waits_for_its_kernels_before_it_ends(tiny_dt, monkeypatch):
+    """What makes the profile add up on a GPU: while profiling there, each phase range ends with a
+    ``torch.cuda.synchronize`` inside it, so its kernels' time is its own (faked here: no GPU needed)."""
+    from enginelib.bench.profile import PHASE_MODULES, _synchronized_phases
+
+    def synchronize(device=None):  # marks where it was called from: its range's parent is the phase it ended
+        synced.append(device)
+        with torch.profiler.record_function("synchronize"):
+            pass
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    modules = [importlib.import_module(name) for name in PHASE_MODULES]
+    before = [m.record_function for m in modules]
+    engine = Engine(tiny_dt, tiny_tokenizer(tiny_dt.cfg.vocab_size), EngineConfig(num_blocks=16))
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    cuda = torch.device("cuda")
+    with _synchronized_phases(cuda), torch.profiler.profile() as prof:
+        engine.step()
+    assert [m.record_function for m in modules] == before  # put back afterwards
+    phases = sorted(e.name for e in prof.events() if e.name in bench.PHASES)
+    assert phases == sorted(bench.PHASES) and synced == [cuda] * len(phases)
+    assert sorted(e.cpu_parent.name for e in prof.events() if e.name == "synchronize") == phases
+    with _synchronized_phases(None), torch.profiler.profile():  # a CPU: nothing waits
+        engine.step()
+    assert len(synced) == len(phases)
 
 
 def test_the_latency_curve_has_a_row_per_rate(real):

@@ -32,7 +32,7 @@ from enginelib.speed.quant import (
     unpack_int4,
 )
 
-from .conftest import batched_equals_alone, chat_ids, tiny_tokenizer
+from .conftest import DEVICE, batched_equals_alone, chat_ids, tiny_tokenizer
 
 CPU = torch.device("cpu")
 SHAPES = [(96, 64), (64, 160)]  # small stand-ins with the model's divisibilities (rows and columns by 32)
@@ -90,17 +90,18 @@ def test_a_gguf_files_blocks_load_as_stored_and_hold_its_weights_exactly(tmp_pat
 
     path = tmp_path / "mixed.gguf"
     write_gguf(path, tiny_model(), layers=T.Q4_1, embedding=T.Q8_0)  # the shipped file's mix
-    floats, _ = load_model(path, progress=False, pack=False)
-    stored, tokenizer = load_quantized(path, "reference", progress=False)
+    # both on the test device, the float one in float32 whatever $ENGINELIB_DTYPE: the weights must be equal bits
+    floats, _ = load_model(path, device=DEVICE, dtype=torch.float32, progress=False, pack=False)
+    stored, tokenizer = load_quantized(path, "reference", device=DEVICE, progress=False)
     assert (quant_info(stored).fmt, quant_info(stored).head_fmt) == ("int4", "q8_0")
     layers = {name: m for name, m in stored.named_modules() if isinstance(m, QuantLinear)}
     assert len(layers) == 4 * stored.cfg.num_layers + 1  # qkv, o, gate_up, down per layer, and the head
     for name, layer in layers.items():
         assert torch.equal(layer.quantized_weight().dequantize(), floats.get_submodule(name).weight), name
-    ids = torch.randint(0, stored.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, stored.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     torch.testing.assert_close(stored(ids), floats(ids), atol=1e-4, rtol=1e-4)
-    assert tokenizer.encode("hello") == load_model(path, progress=False)[1].encode("hello")
-    auto, _ = load_quantized(path, progress=False)  # kernels chosen by measurement, on the model as stored
+    assert tokenizer.encode("hello") == load_model(path, device="cpu", progress=False)[1].encode("hello")
+    auto, _ = load_quantized(path, device=DEVICE, progress=False)  # kernels chosen by measurement, as stored
     assert set(quant_info(auto).kernels) == {("int4", (128, 64)), ("int4", (64, 64)), ("int4", (256, 64)),
                                             ("int4", (64, 128)), ("q8_0", (stored.cfg.vocab_size, 64))}
 
@@ -114,10 +115,10 @@ def test_a_gguf_files_blocks_load_as_stored_and_hold_its_weights_exactly(tmp_pat
 def test_the_shipped_file_runs_as_stored_in_the_engine(real_f32):
     """The real model straight from its Q4_1/Q8_0 blocks: the float model's weights, and the engine's greedy
     text equals the single-request reference's on the same layers."""
-    model, tok = load_quantized(progress=False)
+    model, tok = load_quantized(device=DEVICE, progress=False)  # where real_f32 is: the weights compare there
     for name, layer in model.named_modules():
         if isinstance(layer, QuantLinear):
-            assert torch.equal(layer.quantized_weight().dequantize(), real_f32[0].get_submodule(name).weight.cpu())
+            assert torch.equal(layer.quantized_weight().dequantize(), real_f32[0].get_submodule(name).weight)
     assert quant_info(model).kernels[("q8_0", (49152, 576))] in ("cpp_q8", "reference")
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     batched_equals_alone(model, tok, [chat_ids(tok, q) for q in ("What is a cat?", "Name three colors.")], greedy)
@@ -253,6 +254,40 @@ def test_bad_input_names_the_fix(tiny):
     assert "does not run float16" in kernel_unavailable("cpp", "float16", (96, 64), CPU)  # ours: int8 and int4
     with pytest.raises(ValueError, match="window must be at least 2"):
         perplexity(tiny, None, "text", window=1)
+
+
+def test_bfloat16_is_refused_on_a_gpu_that_only_emulates_it(tiny, monkeypatch):
+    """A T4 (sm_75) runs bfloat16 only emulated, slowly: quantize says so and names float16. Plain
+    ``is_bf16_supported()`` says yes there; the check asks without emulation (faked here: no GPU needed)."""
+    from contextlib import nullcontext
+
+    from enginelib.model.transformer import Transformer
+    from enginelib.speed.quant import bfloat16_unavailable
+
+    asked = []
+
+    def t4_is_bf16_supported(including_emulation=True):
+        asked.append(including_emulation)
+        return including_emulation  # what a T4 answers: yes only when emulation counts
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4_is_bf16_supported)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert "Tesla T4 (compute capability 7.5) has no native bfloat16" in bfloat16_unavailable(cuda)
+    assert asked == [False]
+    monkeypatch.setattr(Transformer, "device", property(lambda self: cuda))  # the tiny model, as if on that GPU
+    for fmt, head in (("bfloat16", None), ("int4", "bfloat16")):
+        with pytest.raises(ValueError, match="no native bfloat16: .* use float16"):
+            quantize(tiny, fmt, "reference", head=head)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
+    assert bfloat16_unavailable(cuda) is None
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)  # a torch before the keyword:
+    assert "no native bfloat16" in bfloat16_unavailable(cuda)          # the compute capability decides
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert bfloat16_unavailable(cuda) is None
+    assert bfloat16_unavailable(CPU) is None
 
 
 @pytest.fixture(scope="module")

@@ -220,7 +220,8 @@ def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, .
             llama.run_llama_cpp(peer, tok, warm)
     few = args.naive_requests or (1 if args.quick else 4)
 
-    report: dict = {"machine": {"torch": torch.__version__, "threads": threads, "device": str(device),
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None  # the GPU's name, in the summary too
+    report: dict = {"machine": {"torch": torch.__version__, "threads": threads, "device": str(device), "gpu": gpu,
                                 "dtype": str(model.dtype).removeprefix("torch."), "model": str(args.model),
                                 "packed_linears": any(isinstance(m, PackedLinear) for m in model.modules()),
                                 "quick": args.quick, "sections": sorted(sections),

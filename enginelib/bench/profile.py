@@ -1,7 +1,12 @@
 """Where an engine step's time goes: its phases, and the forward pass by kind of operator (torch.profiler)."""
 from __future__ import annotations
 
+import functools
+import sys
+from contextlib import contextmanager
+
 import torch
+from torch.profiler import record_function
 
 from enginelib.core.engine import Engine
 
@@ -9,6 +14,7 @@ PHASES = ("schedule", "prepare", "forward", "sample", "update")
 OP_KINDS = {"aten::linear": "matmuls", "aten::matmul": "matmuls", "aten::mm": "matmuls",
             "aten::addmm": "matmuls", "aten::index_select": "KV gather", "aten::index_copy_": "KV write",
             "mkldnn::_linear_pointwise": "matmuls"}
+PHASE_MODULES = ("enginelib.core.engine", "enginelib.core.runner")  # where the engine marks its phases
 
 
 def _op_kind(name: str) -> str:
@@ -26,37 +32,39 @@ def profile_steps(engine: Engine, steps: int = 8) -> dict[str, float]:
     ``index_select``: keys and values through block tables, plus, in a step
     that mixes prefills and decodes, the few query rows shuffled into groups);
     what is left of it is Python and dispatch overhead: time between operators.
+    The parts add up to the forward pass.
 
     On a CPU these are CPU times. On a GPU the host only launches kernels and
-    waits for them where it reads results back (in "sample"), so CPU times would
-    book the kernels' work there. There the CUDA activity is recorded too, and
-    each phase and operator kind is booked with the device time of the kernels
-    it launched; the host's own time per phase is kept as "host: <phase>", and
-    "forward: python & dispatch" is then the forward's host time less its kernels'.
+    returns, and waits for them where it reads results back (in "sample"): CPU
+    times would book the kernels' work there. So on a GPU each phase waits for
+    its kernels before it ends (``torch.cuda.synchronize`` at the end of every
+    range, for the profiled steps only): a phase's time is then its wall time,
+    the kernels it launched included. The CUDA activity is recorded too, and
+    each kind of operator is booked with the device time of the kernels it
+    launched; "forward: python & dispatch" is then the forward's wall time not
+    covered by its kernels: the time the GPU waited for the host to launch the
+    next one.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = engine.model.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
+    if on_gpu:
+        torch.cuda.synchronize(engine.model.device)  # earlier work must not land in the first phase
+    with _synchronized_phases(engine.model.device if on_gpu else None), profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
-        if on_gpu:
-            torch.cuda.synchronize()
 
-    def spent(event) -> float:  # microseconds booked to an event: on a GPU, the kernels it and its children ran
+    def spent(event) -> float:  # microseconds of an operator: on a GPU, the kernels it and its children ran
         return event.device_time_total if on_gpu else event.cpu_time_total
 
     per_step: dict[str, float] = {}
     for event in prof.events():
         if event.device_type != DeviceType.CPU:
-            continue  # the GPU-side copies of the ranges ("gpu_user_annotation"): their kernels are counted above
-        if event.name in PHASES:
-            per_step[event.name] = per_step.get(event.name, 0.0) + spent(event)
-            if on_gpu:
-                key = "host: " + event.name
-                per_step[key] = per_step.get(key, 0.0) + event.cpu_time_total
+            continue  # the GPU-side copies of the ranges ("gpu_user_annotation"): their kernels are counted below
+        if event.name in PHASES:  # wall time of the range: on a GPU it waited for its kernels
+            per_step[event.name] = per_step.get(event.name, 0.0) + event.cpu_time_total
         parent = event.cpu_parent
         while parent is not None and parent.name not in PHASES:
             parent = parent.cpu_parent
@@ -64,9 +72,40 @@ def profile_steps(engine: Engine, steps: int = 8) -> dict[str, float]:
             kind = "forward: " + _op_kind(event.name)
             per_step[kind] = per_step.get(kind, 0.0) + spent(event)
     ops = sum(v for k, v in per_step.items() if k.startswith("forward: "))
-    forward = per_step.get("host: forward", 0.0) if on_gpu else per_step.get("forward", 0.0)
-    per_step["forward: python & dispatch"] = forward - ops
+    per_step["forward: python & dispatch"] = per_step.get("forward", 0.0) - ops
     return {k: v / 1e6 / steps for k, v in per_step.items()}  # profiler times are in microseconds
+
+
+class _SynchronizedRange(record_function):
+    """A ``record_function`` range that, on leaving, first waits for the GPU work queued inside it."""
+
+    def __init__(self, name: str, args: str | None = None, *, device: torch.device) -> None:
+        super().__init__(name, args)
+        self.device = device
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if exc_type is None:
+            torch.cuda.synchronize(self.device)
+        return super().__exit__(exc_type, exc_value, traceback)
+
+
+@contextmanager
+def _synchronized_phases(device: torch.device | None):
+    """While active, the engine's phase ranges (``record_function`` in :data:`PHASE_MODULES`) end with a
+    ``torch.cuda.synchronize(device)``; nothing changes when ``device`` is None (a CPU)."""
+    if device is None:
+        yield
+        return
+    synchronized = functools.partial(_SynchronizedRange, device=device)
+    modules = [sys.modules[name] for name in PHASE_MODULES if name in sys.modules]
+    saved = {module: module.record_function for module in modules if hasattr(module, "record_function")}
+    try:
+        for module in saved:
+            module.record_function = synchronized
+        yield
+    finally:
+        for module, original in saved.items():
+            module.record_function = original
 
 
 def _is_op(event) -> bool:

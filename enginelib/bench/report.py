@@ -57,9 +57,11 @@ def print_summary(report: dict) -> None:
     """Every section's headline figures in a few lines (the JSON holds the rest)."""
     r = report["ratios"]
     print("\nratios: " + ", ".join(f"{k} {_fmt(v, 1, 2)}" for k, v in r.items()))
+    m = report["machine"]
+    device = m["device"] + (f" ({m['gpu']})" if m.get("gpu") else "")  # on a GPU, its name: "cuda (Tesla T4)"
     print(f"machine: {report['machine_peak_flops'] / 1e9:.0f} GFLOP/s matmul peak, "
           f"{report['machine_read_bandwidth'] / 1e9:.1f} GB/s read bandwidth "
-          f"({report['machine']['threads']} threads, {report['machine']['device']}, {report['machine']['dtype']})")
+          f"({m['threads']} threads, {device}, {m['dtype']})")
     print(f"decode MFU at batch 32: {report['mfu_decode_b32']:.1%}; single stream "
           f"{report['single_stream_tok_per_s']:.1f} tok/s = {report['single_stream_roofline_frac']:.0%} of the "
           f"bandwidth roofline ({report['single_stream_roofline_tok_per_s']:.1f} tok/s)")
@@ -83,8 +85,10 @@ def print_summary(report: dict) -> None:
         print(f"prefix cache (shared-prefix): TTFT p50 {_fmt(p['ttft_p50_on_s'], 1e3, 0)} ms with, "
               f"{_fmt(p['ttft_p50_off_s'], 1e3, 0)} ms without (ratio {p['ttft_ratio']:.2f}); "
               f"hit rate {p['hit_rate']:.0%}")
-        print(f"chunked prefill (long-prompt, budget {c['budget']}): decode p99 gap {_fmt(c['tpot_p99_on_s'], 1e3, 0)} ms "
-              f"with, {_fmt(c['tpot_p99_off_s'], 1e3, 0)} ms without (ratio {c['tpot_p99_ratio']:.2f})")
+        scaled = f", {c['long_prompt_tokens']}-token prompts" if m.get("gpu") else ""  # scaled up to a GPU
+        print(f"chunked prefill (long-prompt{scaled}, budget {c['budget']}): decode p99 gap "
+              f"{_fmt(c['tpot_p99_on_s'], 1e3, 0)} ms with, {_fmt(c['tpot_p99_off_s'], 1e3, 0)} ms without "
+              f"(ratio {c['tpot_p99_ratio']:.2f})")
     if "serve" in report:
         s = report["serve"]
         print(f"serve ({s['concurrency']} streams, {s['requests']} requests): server {s['server_tok_per_s']:.1f} tok/s "

@@ -22,6 +22,22 @@ def prefix_cache_effect(model: Transformer, tok: Tokenizer, config: EngineConfig
             "tok_per_s_on": on.tok_per_s, "tok_per_s_off": off.tok_per_s, "note": on.note.strip("; ")}
 
 
+GPU_LONG_PROMPT = 8000  # tokens in each long prompt of the chunked-prefill comparison on a GPU (SmolLM2: 8192 context)
+
+
+def long_prompt_tokens(model: Transformer) -> int | None:
+    """The long prompts' length in the chunked-prefill comparison: None (the workload's own, 700 quick and
+    1,500 full) on a CPU; on a GPU, :data:`GPU_LONG_PROMPT` tokens, or less to fit the model's context.
+
+    A GPU prefills 700 tokens in about the time of a decode step (it is far from busy at either size),
+    so prefilling one in a single step stalls nobody and chunking it shows no gain; several thousand
+    tokens take many decode steps' time there, as 700 do on a CPU.
+    """
+    if model.device.type != "cuda":
+        return None
+    return min(GPU_LONG_PROMPT, model.cfg.context_length - 64)  # the 4 answer tokens fit, with room to spare
+
+
 def chunked_prefill_effect(model: Transformer, tok: Tokenizer, config: EngineConfig, quick: bool,
                            budget: int) -> dict:
     """The ``long-prompt`` workload with and without chunked prefill: decode latency of the running requests.
@@ -29,14 +45,17 @@ def chunked_prefill_effect(model: Transformer, tok: Tokenizer, config: EngineCon
     Without chunking a long prompt is prefilled in one step and every running
     request waits for it; with a token budget of ``budget`` it is split. The
     tail of the gaps between tokens (p99 inter-token latency, the TPOT a
-    streaming reader feels) is compared on the short requests only.
+    streaming reader feels) is compared on the short requests only. On a GPU
+    the long prompts are scaled up to the device (:func:`long_prompt_tokens`).
     """
-    wl = make_workload("long-prompt", tok, quick)
+    wl = make_workload("long-prompt", tok, quick, long_tokens=long_prompt_tokens(model))
     short = Workload(wl.name, [r for r in wl.requests if r.arrival_step == 0], wl.ignore_eos)
+    longest = max(len(r.prompt_ids) for r in wl.requests if r.arrival_step)
+    whole = max(4096, max(len(r.prompt_ids) + r.max_tokens for r in wl.requests))  # unchunked: any prompt in one step
     runs = {}
     for chunked in (True, False):
         sched = dataclasses.replace(config.scheduler, enable_chunked_prefill=chunked,
-                                    max_num_batched_tokens=budget if chunked else 4096)
+                                    max_num_batched_tokens=budget if chunked else whole)
         runs[chunked] = run_engine(model, tok, wl, dataclasses.replace(config, scheduler=sched))
     decode_itl = {}
     for chunked, r in runs.items():
@@ -48,7 +67,7 @@ def chunked_prefill_effect(model: Transformer, tok: Tokenizer, config: EngineCon
     check_same_tokens(model, wl, {"kv_cache": runs[False], "engine": runs[True]})
     long_ttft = {on: nearest_rank([t for q, t in zip(wl.requests, runs[on].ttft) if q.arrival_step], 50)
                  for on in (True, False)}
-    return {"budget": budget, "short_requests": len(short.requests),
+    return {"budget": budget, "short_requests": len(short.requests), "long_prompt_tokens": longest,
             "tpot_p99_on_s": decode_itl[True], "tpot_p99_off_s": decode_itl[False],
             "tpot_p99_ratio": decode_itl[True] / decode_itl[False],
             "ttft_p50_long_on_s": long_ttft[True], "ttft_p50_long_off_s": long_ttft[False],

@@ -48,8 +48,12 @@ def chat_prompt(tok: Tokenizer, question: str, system: str | None = None) -> lis
     return tok.encode(tok.apply_chat_template(messages))
 
 
-def make_workload(name: str, tok: Tokenizer, quick: bool = False, rate: float = 2.0) -> Workload:
-    """The named workload, deterministic (seeded); ``quick`` shrinks it to fit a 2-core CPU in minutes."""
+def make_workload(name: str, tok: Tokenizer, quick: bool = False, rate: float = 2.0,
+                  long_tokens: int | None = None) -> Workload:
+    """The named workload, deterministic (seeded); ``quick`` shrinks it to fit a 2-core CPU in minutes.
+
+    ``long_tokens``: the length of the ``long-prompt`` workload's documents (default 700 quick, 1,500 full:
+    sized for a CPU; :func:`enginelib.bench.scheduling.long_prompt_tokens` scales them to a GPU)."""
     rng = random.Random(0)
     if name == "seed":  # the seed project's benchmark: 28 prompts, 6 more after the 5th step, 128 tokens
         first, later, new = (12, 4, 32) if quick else (28, 6, 128)
@@ -77,7 +81,8 @@ def make_workload(name: str, tok: Tokenizer, quick: bool = False, rate: float = 
         reqs = [BenchRequest(chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)], system), new) for i in range(n)]
         return Workload(name, reqs)
     if name == "long-prompt":  # short requests decoding when long documents arrive (chunked prefill, chapter 10)
-        short, new, long_tokens, at = (6, 40, 700, (6, 18)) if quick else (12, 96, 1500, (8, 30, 60))
+        short, new, default_long, at = (6, 40, 700, (6, 18)) if quick else (12, 96, 1500, (8, 30, 60))
+        long_tokens = long_tokens or default_long
         reqs = [BenchRequest(chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)]), new) for i in range(short)]
         words = " ".join(QUESTIONS).split()
         for i, step in enumerate(at):

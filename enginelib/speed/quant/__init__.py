@@ -47,6 +47,7 @@ Measuring a model's quality and size (perplexity, greedy agreement, bytes) is th
 """
 from enginelib.speed.quant.convert import (
     QuantInfo,
+    bfloat16_unavailable,
     calibration_inputs,
     layer_inputs,
     linear_layers,
@@ -88,7 +89,8 @@ from enginelib.speed.quant.kernels import (
 
 __all__ = [
     "FORMATS", "GGUF_FORMATS", "GROUP_SIZE", "KERNELS", "Kernel", "KernelChoice", "KernelTiming", "Q4_1_BLOCK_BYTES",
-    "Q8_0_BLOCK_BYTES", "QuantInfo", "QuantLinear", "QuantizedWeight", "calibration_inputs", "check_format",
+    "Q8_0_BLOCK_BYTES", "QuantInfo", "QuantLinear", "QuantizedWeight", "bfloat16_unavailable", "calibration_inputs",
+    "check_format",
     "check_kernel", "choose", "choose_kernels", "concat_rows", "from_gguf_q4_1", "from_gguf_q8_0",
     "kernel_unavailable", "layer_inputs", "linear_layers", "load_quantized", "measure_kernels", "pack_int4",
     "quant_info", "quantize", "quantize_weight", "relative_error", "unpack_int4", "weight_key",

@@ -109,6 +109,29 @@ def _clone_structure(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def bfloat16_unavailable(device: torch.device) -> str | None:
+    """Why ``device`` cannot run bfloat16 weights at full speed (None: it can; a CPU always can).
+
+    A GPU computes in bfloat16 natively from compute capability 8.0 (Ampere) on. Older ones (a T4 is
+    7.5) only emulate it: it runs, slowly, and nothing says so. Plain
+    ``torch.cuda.is_bf16_supported()`` counts that emulation as support; ``including_emulation=False``
+    does not (a torch without the keyword: the compute capability decides, as it does inside).
+    """
+    if device.type != "cuda":
+        return None
+    with torch.cuda.device(device):  # is_bf16_supported asks about the current device
+        try:
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # a torch before the keyword
+            native = bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
+    if native:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return (f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no native bfloat16: "
+            "torch would only emulate it, slowly; use float16 on this GPU "
+            "(bfloat16 needs compute capability 8.0 or newer)")
+
+
 def quantize(model: Transformer, fmt: str, kernel: str = "auto", *, head: str | None = None,
              tolerance: float = 1e-2, calibration: torch.Tensor | None = None) -> Transformer:
     """A NEW model whose linear layers (LM head included) hold ``fmt`` weights; ``model`` is left as it was.
@@ -142,8 +165,8 @@ def quantize(model: Transformer, fmt: str, kernel: str = "auto", *, head: str | 
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError("this model is already quantized: quantize the float model instead")
     device = model.device
-    if "bfloat16" in (fmt, head) and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"{torch.cuda.get_device_name(device)} has no bfloat16 support: use float16")
+    if "bfloat16" in (fmt, head) and (why := bfloat16_unavailable(device)):
+        raise ValueError(why)
     weights = {path: quantize_weight(linear.weight, head if path == "lm_head" else fmt)
                for path, linear in linear_layers(model)}
     inputs = calibration_inputs(model, calibration) if kernel == "auto" else None
