@@ -20,6 +20,7 @@ from typing import Any
 GREEDY_TEMPERATURE = 1e-5
 MIN_TEMPERATURE = 1e-2
 SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20  # most-likely tokens reported per position at most (OpenAI's top_logprobs limit; vLLM's default)
 
 
 def _is_int(value: object) -> bool:
@@ -42,6 +43,9 @@ class SamplingParams:
     ``temperature=0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1 turn
     those filters off. ``seed`` makes sampling reproducible per request. A stop
     string ends the text before it, unless ``include_stop_str_in_output``.
+    ``logprobs`` (0..20, None: off) reports each generated token's log-probability
+    and the ``logprobs`` most likely tokens at its position, from the model's raw
+    logits (before temperature, top-k and top-p: vLLM's default ``raw_logprobs``).
     """
 
     temperature: float = 1.0
@@ -53,6 +57,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +93,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise ValueError(f"seed must fit in 64 bits ({SEED_RANGE[0]} to {SEED_RANGE[1] - 1}), got {self.seed}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens to report "
+                             f"per position), or None for none; got {self.logprobs!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -166,7 +174,7 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How to speculate (chapter 12): ``method`` "ngram" (prompt lookup, no extra model) or "draft"
+    """How to speculate (chapter 14): ``method`` "ngram" (prompt lookup, no extra model) or "draft"
     (a second, smaller model)."""
 
     method: str = "ngram"
@@ -199,7 +207,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """What to compile (chapter 11): steps padded up to ``batch_sizes`` tokens (a decode step has one per
+    """What to compile (chapter 13): steps padded up to ``batch_sizes`` tokens (a decode step has one per
     sequence, a verification ``k + 1``); ``mode`` is torch.compile's."""
 
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
@@ -233,10 +241,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse computed blocks of a shared prefix (chapter 9)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # seats, token budget, chunked prefill
     record: bool = False                # keep a StepRecord per step (for timelines and block maps)
-    speculative: SpeculativeConfig | None = None  # guess tokens and verify them in one step (chapter 12); off: None
+    speculative: SpeculativeConfig | None = None  # guess tokens and verify them in one step (chapter 14); off: None
     compile: CompileConfig | None = None  # decode and verify steps through torch.compile, per bucket; off: None (eager)
-    # CPU, float32: eager steps of one token per sequence attend with the C++ kernel a compiled step uses
-    # (cpu_kernels.decode_attention: keys read where they lie) instead of gathering them for SDPA
+    # eager steps of one token per sequence attend with a fused kernel that reads the keys where they lie,
+    # instead of gathering them for SDPA: on a CPU in float32 the C++ one a compiled step uses
+    # (cpu_kernels.decode_attention), on a CUDA GPU the Triton one (triton_kernels.decode_attention; the name
+    # is older than that). runner.decode_attention_kernel picks it, or refuses with a ValueError
     cpu_decode_kernel: bool = False
 
     @classmethod

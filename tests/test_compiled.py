@@ -95,8 +95,9 @@ def test_the_cpp_wrapper_gives_the_eager_tokens(tiny):
 
 @needs_compiler
 def test_frozen_float32_linears_run_on_onednn_as_eager_ones_do(tiny):
-    """Freezing packs float32 weights for MKL's matmul unless told otherwise; the engine has it pack them for
-    oneDNN's, the kernel its eager linears run (and 1.3-2x faster at the decode shapes on the book's CPU)."""
+    """Freezing packs a plain float32 linear for MKL's matmul; the traced model's linears call oneDNN's, the
+    kernel the eager linears run (1.3-2x faster at the decode shapes on the book's CPU), on a weight packed
+    in the graph, which freezing folds into a constant: no packing is left in the step."""
     from torch._inductor.utils import run_and_get_code
 
     tok = tiny_tokenizer(tiny.cfg.vocab_size)
@@ -104,6 +105,7 @@ def test_frozen_float32_linears_run_on_onednn_as_eager_ones_do(tiny):
     engine, code = run_and_get_code(lambda: Engine(tiny, tok, EngineConfig(num_blocks=32, compile=config)))
     code = "\n".join(code)
     assert "mkldnn._linear_pointwise" in code and "_mkl_linear" not in code
+    assert "onednn_packed_weight" not in code and "_frozen_param" in code  # packed once, at compile time
     assert _run(engine, [[1, 2, 3], [4, 5]], [4, 3]) == _run(Engine(tiny, tok, EngineConfig(num_blocks=32)),
                                                           [[1, 2, 3], [4, 5]], [4, 3])
 
@@ -189,3 +191,104 @@ def test_a_failed_compile_falls_back_or_raises(tiny_dt, monkeypatch):
     assert engine.runner.compiled is None and _run(engine, [[1, 2, 3]], [3])
     with pytest.raises(ValueError, match="torch.compile failed.*fallback=True"):
         Engine(tiny_dt, tok, EngineConfig(num_blocks=32, compile=CompileConfig(fallback=False)))
+
+
+# --- attention as an opaque operator, given everything it reads and writes ------------------
+
+def _decode_batch(cache, lengths: list[int], first_block: int = 1):
+    """One decode step of sequences of ``lengths`` keys (after it), their blocks laid out from ``first_block``."""
+    from enginelib.core.batch import Batch, SequenceWork
+
+    per_seq = [-(-n // cache.block_size) for n in lengths]
+    starts = [first_block + sum(per_seq[:i]) for i in range(len(lengths))]
+    seqs = [SequenceWork([(7 * n) % 50 + 1], n - 1, list(range(s, s + b)))
+            for n, s, b in zip(lengths, starts, per_seq)]
+    return Batch.build(seqs, cache.block_size, "cpu")
+
+
+def _random_cache(cfg, seed: int):
+    from enginelib.core.paged_cache import PagedKVCache
+
+    cache = PagedKVCache(cfg, num_blocks=32, block_size=4)
+    generator = torch.Generator().manual_seed(seed)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
+    return cache
+
+
+def test_the_opaque_operator_attends_as_the_engine_does(tiny):
+    """``paged_attend`` gets the pools, slots, padded tables, mask and sizes as inputs: it writes the real
+    rows' K/V where the eager cache writes them and returns the eager cache's attention, padding rows zero."""
+    cfg = tiny.cfg
+    eager, given = _random_cache(cfg, 0), _random_cache(cfg, 0)
+    batch = _decode_batch(eager, [5, 9, 2])
+    n, p, width = batch.num_tokens, 4, 8  # one padding row; tables padded to 8 blocks
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(1, p, cfg.num_heads, cfg.head_dim, generator=generator)
+    k, v = (torch.randn(1, p, cfg.num_kv_heads, cfg.head_dim, generator=generator) for _ in range(2))
+    tables = batch.block_tables.new_zeros(p, width)
+    tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
+    positions = torch.nn.functional.pad(batch.positions, (0, p - n))
+    mask = compiled.row_mask(positions, width * given.block_size, cfg.num_heads // cfg.num_kv_heads, given.k.dtype)
+    sizes = torch.tensor([n, batch.block_tables.shape[1]])
+    for layer in range(cfg.num_layers):
+        expected = eager.bind(batch).attend(layer, q[:, :n], k[:, :n], v[:, :n])
+        got = torch.ops.enginelib.paged_attend(q, k, v, given.k[layer], given.v[layer],
+                                               torch.nn.functional.pad(batch.slot_mapping, (0, p - n)),
+                                               tables, mask, sizes)
+        assert torch.equal(got[:, :n], expected) and not got[:, n:].any()
+    assert torch.equal(given.k, eager.k) and torch.equal(given.v, eager.v)  # the same slots written, nothing else
+
+
+@needs_compiler
+def test_the_opaque_operator_path_gives_the_eager_tokens(tiny):
+    """The GPU's path (the opaque operator, tables padded to one width per bucket), run on a CPU in float32
+    (where greedy tokens are exact): padding rows, bucket changes and speculation's verification rows give
+    the eager engine's tokens."""
+    tok = tiny_tokenizer(tiny.cfg.vocab_size)
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 8, 7, 6], [5, 6, 5, 6, 5]]
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    engine = Engine(tiny, tok, EngineConfig(num_blocks=64, speculative=spec))
+    decoder = compiled.CompiledDecoder(tiny, CompileConfig(batch_sizes=(2, 4, 8)), fused_attention=False)
+    engine.runner.compiled, engine.runner.compile_report = decoder, decoder.compile(engine.runner.cache)
+    got = _run(engine, prompts, [10, 12, 9])
+    assert got == _run(Engine(tiny, tok, EngineConfig(num_blocks=64)), prompts, [10, 12, 9])
+    assert engine.runner.spec_stats.accepted > 0 and len(decoder.calls) > 1  # more than one bucket ran
+    assert all(decoder.direct.get(b) is not None for b in decoder.calls)  # called directly once traced
+
+
+@needs_compiler
+def test_two_decoders_in_two_threads_share_no_state(tiny):
+    """Nothing is bound between calls: two compiled decoders over two caches, stepping at the same time in
+    two threads, each get the eager attention over their own cache; and the module keeps no mutable state."""
+    import threading
+
+    mutable = {name for name, value in vars(compiled).items()
+               if not name.startswith("__") and isinstance(value, (dict, list, set, bytearray, threading.local))}
+    assert not mutable and not hasattr(compiled, "bound")
+    config = CompileConfig(batch_sizes=(4,))
+    caches = [_random_cache(tiny.cfg, seed) for seed in (0, 1)]
+    batches = [_decode_batch(caches[0], [5, 9, 2]), _decode_batch(caches[1], [13, 3, 7, 6])]
+    expected = []
+    for seed, batch in enumerate(batches):  # eager attention, on a fresh copy of each cache
+        with torch.inference_mode():
+            expected.append(tiny(batch.token_ids, _random_cache(tiny.cfg, seed).bind(batch), positions=batch.positions)[0])
+    decoders = [compiled.CompiledDecoder(tiny, config, fused_attention=False) for _ in caches]
+    for decoder, cache in zip(decoders, caches):
+        decoder.compile(cache)  # writes only block 0 (the batches' blocks start at 1), then clears it
+    start, results = threading.Barrier(2), [[], []]
+
+    def steps(i: int) -> None:
+        start.wait()
+        for _ in range(20):
+            results[i].append(decoders[i](batches[i], caches[i]))
+
+    threads = [threading.Thread(target=steps, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert len(results[i]) == 20 and decoders[i].calls[4] == 20
+        for logits in results[i]:  # the same step again and again: its own K/V rewritten in its own cache
+            torch.testing.assert_close(logits, expected[i], rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from enginelib.speed import cpu_kernels
-from enginelib.speed.quant import QuantLinear, kernel_unavailable, quant_info, quantize, quantize_weight
+from enginelib.speed.quant import KERNELS, QuantLinear, kernel_unavailable, quant_info, quantize, quantize_weight
 
 CPU = torch.device("cpu")
 # The first kernel call builds them (once per source, compiler, Python and torch, then cached on disk). On CI
@@ -142,8 +142,9 @@ def test_unavailable_names_the_fix_and_auto_skips_it(tiny, monkeypatch, tmp_path
 
 
 def test_a_failed_build_raises_with_the_compilers_words(monkeypatch, tmp_path):
-    """The build happens at the first kernel call; a failure raises there, with the compiler's last lines
-    (and quant's kernel choice, which builds before it times, gives the same words as its reason)."""
+    """The build happens at the first kernel call (or layer made); a failure raises there, with the compiler's
+    last lines. Asking whether the kernel runs here never builds; quant's ``auto``, which builds before it
+    times (``Kernel.ready``), gives the same words as its reason."""
     monkeypatch.setenv("ENGINELIB_CACHE", str(tmp_path / "cache"))
     broken = tmp_path / "csrc"
     shutil.copytree(cpu_kernels.CSRC, broken)
@@ -156,7 +157,10 @@ def test_a_failed_build_raises_with_the_compilers_words(monkeypatch, tmp_path):
     failed = "(?s)building enginelib's CPU kernels failed.*enginelib_test_broken_build.h"
     with pytest.raises(RuntimeError, match=failed):
         cpu_kernels.int8_linear(torch.randn(2, 64), q.data, q.scale)
-    reason = kernel_unavailable("cpp", "int4", (96, 64), CPU)
+    assert kernel_unavailable("cpp", "int4", (96, 64), CPU) is None  # a yes/no question: it only looks
+    with pytest.raises(RuntimeError, match=failed):  # a kernel asked for by name builds as its layer is made
+        QuantLinear(q, None, "cpp")
+    reason = KERNELS["cpp_q8"].ready(CPU)
     assert "building enginelib's CPU kernels failed" in reason and "enginelib_test_broken_build.h" in reason
 
 
@@ -185,7 +189,7 @@ def test_a_cpu_without_avx2_gets_the_one_sentence_everywhere(tiny, monkeypatch, 
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: machine)
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
     cpu_kernels._load.cache_clear()
-    from enginelib.core.runner import _check_decode_kernel
+    from enginelib.core.runner import decode_attention_kernel
     from enginelib.speed.compiled import compile_unavailable
     from enginelib.speed.speculative import compile_draft_unavailable
 
@@ -198,7 +202,7 @@ def test_a_cpu_without_avx2_gets_the_one_sentence_everywhere(tiny, monkeypatch, 
         cpu_kernels.has_simd()
     assert kernel_unavailable("cpp_q8", "int4", (96, 64), CPU) == cpu_kernels.NO_AVX2
     with pytest.raises(ValueError, match=one):
-        _check_decode_kernel(tiny)
+        decode_attention_kernel(tiny.device, tiny.dtype)
     assert compile_draft_unavailable(tiny) == (compile_unavailable(CPU) or cpu_kernels.NO_AVX2)
 
 
@@ -223,9 +227,7 @@ def test_the_build_key_changes_with_the_compiler_python_and_torch(monkeypatch, t
 
 def test_engine_batch_equals_each_request_alone(real_f32):
     """Bit-identical rows in any batch: the engine's batched greedy tokens are each request's own, exactly."""
-    from enginelib.baselines import generate_cached
     from enginelib.config import SamplingParams
-    from enginelib.core.engine import Engine, EngineConfig
 
     from .conftest import batched_equals_alone, chat_ids
 

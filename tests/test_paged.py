@@ -12,7 +12,6 @@ from enginelib.core.batch import Batch, SequenceWork
 from enginelib.core.block_pool import BlockPool, NoFreeBlocks
 from enginelib.core.engine import Engine, EngineConfig
 from enginelib.core.paged_cache import PagedKVCache
-from enginelib.core.request import RequestStatus
 from enginelib.core.scheduler import SchedulerConfig
 from enginelib.model import ModelConfig, attention
 from enginelib.model.checks import check_greedy

@@ -170,7 +170,7 @@ def test_shared_and_cached_free_blocks_are_marked(tiny):
     player = BlockMapPlayer(history, start=at)
     for b in shared:
         markup = block_markup(player, b)
-        assert 'data-role="edge"' in markup and f'stroke="#222222" stroke-width="4.5"' in markup
+        assert 'data-role="edge"' in markup and 'stroke="#222222" stroke-width="4.5"' in markup
         assert re.search(r'data-role="badge"[^>]*display="inline"', markup)
         assert re.search(r'data-role="badge-label"[^>]*display="inline">×3</text>', markup)
         assert f"block {b}: shared by 3 requests" in markup and "ref count: 3" in markup

@@ -1,11 +1,10 @@
-"""Quantization (chapter 11): stored forms round-trip within their rounding bounds, every fast kernel
+"""Quantization (chapter 12): stored forms round-trip within their rounding bounds, every fast kernel
 matches the plain-PyTorch reference, quantized models keep their quality and run in the engine."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from enginelib.baselines import generate_cached
 from enginelib.bench.quality import (
     decode_tokens_per_second,
     format_row,
@@ -15,7 +14,6 @@ from enginelib.bench.quality import (
     weight_bytes,
 )
 from enginelib.config import SamplingParams
-from enginelib.core.engine import Engine, EngineConfig
 from enginelib.model.weights import load_model
 from enginelib.speed.quant import (
     GROUP_SIZE,
@@ -322,3 +320,20 @@ def test_greedy_agreement_counts_up_to_the_first_divergence(real_f32, int8):
     assert agreement.lengths == [4] and 0 <= agreement.matched[0] <= 4
     assert agreement.agreement == agreement.matched[0] / 4
     assert decode_tokens_per_second(model, tok, max_tokens=4) > 0
+
+
+def test_auto_leaves_out_a_kernel_that_fails_and_says_why(tiny, monkeypatch):
+    """A candidate that raises when run (a Triton kernel a GPU's compiler refuses, a C++ build that failed) is
+    left out of ``auto``'s timings with a RuntimeWarning and its reason, and the others are still chosen from."""
+    from enginelib.speed.quant import kernels
+
+    def broken(x: torch.Tensor, prepared: object) -> torch.Tensor:
+        raise RuntimeError("this GPU's compiler refused the kernel")
+
+    monkeypatch.setitem(kernels.KERNELS, "broken", kernels.Kernel("broken", ("int8",), ("cpu",), lambda qw: qw,
+                                                                  broken, lambda p: p))
+    with pytest.warns(RuntimeWarning, match="kernel 'broken' left out.*compiler refused"):
+        q = quantize(tiny, "int8")
+    info = quant_info(q)
+    assert "broken" not in {row.kernel for row in info.timings}
+    assert "RuntimeError: this GPU's compiler refused the kernel" in info.skipped["broken"]

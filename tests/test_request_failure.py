@@ -129,18 +129,42 @@ def test_an_error_in_the_step_that_ends_a_request_still_says_error(tiny_dt):
     assert engine.request(bad.request_id).finish_reason == "error"
 
 
+class _Fixed:
+    """Guesses the last token again, k times."""
+
+    def propose(self, token_ids, k):
+        return [token_ids[-1]] * k
+
+
+class _Picky(_Fixed):
+    """As _Fixed, but fails for PROMPTS[2]'s request."""
+
+    def propose(self, token_ids, k):
+        if token_ids[:len(PROMPTS[2])] == PROMPTS[2]:
+            raise RuntimeError("simulated proposer fault")
+        return super().propose(token_ids, k)
+
+
+def _spec_engine(tiny_dt, proposer) -> Engine:
+    engine = _engine(tiny_dt, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    engine.runner.proposer = proposer
+    return engine
+
+
+def test_a_failing_proposer_fails_its_request_alone(tiny_dt):
+    """The proposer raises for one request: it ends with finish_reason "error", the others as without it."""
+    alone, _ = _run(_spec_engine(tiny_dt, _Picky()), OTHERS)
+    engine = _spec_engine(tiny_dt, _Picky())
+    outputs, bad = _run(engine, OTHERS, (PROMPTS[2], GREEDY))
+    assert _tokens(outputs) == _tokens(alone) and engine.runner.spec_stats.verifications > 0
+    assert bad.outputs[0].finish_reason == "error" and "simulated proposer fault" in bad.outputs[0].error
+    assert len(bad.outputs[0].token_ids) == 1  # its prefill's token; its first proposal failed
+
+
 def test_a_failing_verification_fails_its_request_alone(tiny_dt, monkeypatch):
     """With guesses, a sampled request's rejection sampling raises: it fails, greedy and sampled
     verifications of the others go on as without it."""
-    class Fixed:
-        def propose(self, token_ids, k):
-            return [token_ids[-1]] * k
-
-    def spec_engine():
-        engine = _engine(tiny_dt, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
-        engine.runner.proposer = Fixed()
-        return engine
-    alone, _ = _run(spec_engine(), OTHERS)
+    alone, _ = _run(_spec_engine(tiny_dt, _Fixed()), OTHERS)
     real = speculative.rejection_sample
 
     def rejection_sample(logits, drafts, params, generator=None, draft_probs=None):
@@ -148,7 +172,7 @@ def test_a_failing_verification_fails_its_request_alone(tiny_dt, monkeypatch):
             raise RuntimeError("simulated verification fault")
         return real(logits, drafts, params, generator, draft_probs)
     monkeypatch.setattr(speculative, "rejection_sample", rejection_sample)
-    engine = spec_engine()
+    engine = _spec_engine(tiny_dt, _Fixed())
     outputs, bad = _run(engine, OTHERS, (PROMPTS[2], BAD))
     assert _tokens(outputs) == _tokens(alone) and engine.runner.spec_stats.verifications > 0
     assert bad.outputs[0].finish_reason == "error" and "simulated verification" in bad.outputs[0].error

@@ -122,6 +122,30 @@ def test_chat_completion_and_stream_agree(client, offline):
     assert len(chunks) > 3, "the answer came in one piece: it was not streamed"
 
 
+def test_n_and_logprobs_through_the_openai_client(client, offline):
+    """OpenAI's own client reads n choices and both logprobs shapes (the legacy completions one, chat's)."""
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0.8, seed=4, n=2,
+                                    logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == [0, 1] and got.usage.completion_tokens == 12
+    for choice in got.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+        assert "".join(lp.tokens) == choice.text and all(v <= 0 for v in lp.token_logprobs)
+    again = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0.8, seed=4, n=2,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in got.choices]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    want = offline.generate(chat_prompt(offline), SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+    assert "".join(c.token for c in content) == want.text == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
+
+
+def chat_prompt(llm: LLM) -> str:
+    return llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
 def test_stop_strings(client, offline):
     prompt = "Count: one, two, three, four, five,"
     free = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
@@ -228,7 +252,7 @@ BAD = {  # case: (path, body, status, words in the message, the param OpenAI's e
                                                                  "max_tokens": 10**6}).encode(), 400, "context",
                                     "max_tokens"),
     "prompt missing": ("/completions", json.dumps({"model": MODEL}).encode(), 400, "Field required", "prompt"),
-    "n above 1": ("/chat/completions", _chat(n=2), 400, "n=2", "n"),
+    "n above 16": ("/chat/completions", _chat(n=17), 400, "n=17", "n"),
     "not JSON": ("/chat/completions", b"{nope", 400, "JSON", None),
     "JSON not an object": ("/chat/completions", b"[1, 2]", 400, "object", None),
     "body too large": ("/completions", json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode(), 413,
@@ -243,7 +267,8 @@ BAD = {  # case: (path, body, status, words in the message, the param OpenAI's e
     "a penalty": ("/chat/completions", _chat(presence_penalty=0.5), 400, "presence_penalty", "presence_penalty"),
     "echo": ("/completions", json.dumps({"model": MODEL, "prompt": "Hi", "echo": True}).encode(), 400, "echo",
              "echo"),
-    "logprobs": ("/chat/completions", _chat(logprobs=True), 400, "logprobs", "logprobs"),
+    "top_logprobs without logprobs": ("/chat/completions", _chat(top_logprobs=2), 400, "logprobs: true",
+                                      "top_logprobs"),
     "an empty stop string": ("/chat/completions", _chat(stop=""), 400, "must not be empty", "stop"),
     "too many stop strings": ("/chat/completions", _chat(stop=[f"s{i}" for i in range(17)]), 400, "at most 16",
                               "stop"),
@@ -272,11 +297,17 @@ def test_server_keeps_serving_after_bad_requests(server, client):
 
 
 def test_full_queue_gets_503_with_retry_after():
-    with ServerProcess(["--max-waiting", "0", "--num-blocks", "64"], timeout=240) as server:
+    """With --max-waiting 0, a request is refused only once no seat is free: the one seat is taken first."""
+    with ServerProcess(["--max-waiting", "0", "--max-num-seqs", "1", "--num-blocks", "64"], timeout=240) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+        running = client.completions.create(model=MODEL, prompt="Count:", max_tokens=1000, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+        next(iter(running))  # admitted: it holds the one seat
         status, answer, headers = _post(server, "/chat/completions", _chat())
         assert status == 503 and headers.get("Retry-After") == "1"
         assert "waiting" in answer["error"]["message"]
         assert _get(server, "/health")[0] == 200
+        running.close()
     assert server.process.returncode is not None
 
 

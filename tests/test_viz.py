@@ -341,7 +341,7 @@ def test_token_gap_plot_draws_one_line_per_request_in_ms_and_the_marks(tiny_dt):
 
 
 def test_budget_tradeoff_plots_one_labelled_point_per_budget():
-    fig = plot_budget_tradeoff([256, 32, 64], ttft=[1.0, 3.0, 2.0], tpot_p99=[0.5, 0.1, 0.2], unchunked=(0.9, 1.2))
+    fig = plot_budget_tradeoff([256, 32, 64], ttft=[1.0, 3.0, 2.0], itl_p99=[0.5, 0.1, 0.2], unchunked=(0.9, 1.2))
     ax = fig.axes[0]
     curve, alone = ax.lines
     assert list(curve.get_xdata()) == pytest.approx([100, 200, 500])  # in budget order, in ms
@@ -350,5 +350,5 @@ def test_budget_tradeoff_plots_one_labelled_point_per_budget():
     assert list(alone.get_xdata()) == pytest.approx([1200]) and list(alone.get_ydata()) == [0.9]
     assert ax.get_xlim()[1] > 1200 and ax.get_ylim() == pytest.approx((0, 3.0 * 1.12))  # labels stay inside
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["chunked prefill, by token budget", "no chunking"]
-    with pytest.raises(ValueError, match="one ttft and one tpot_p99 per budget"):
-        plot_budget_tradeoff([32, 64], ttft=[1.0], tpot_p99=[0.1, 0.2])
+    with pytest.raises(ValueError, match="one ttft and one itl_p99 per budget"):
+        plot_budget_tradeoff([32, 64], ttft=[1.0], itl_p99=[0.1, 0.2])

@@ -87,8 +87,8 @@ def print_summary(report: dict) -> None:
               f"hit rate {p['hit_rate']:.0%}")
         scaled = f", {c['long_prompt_tokens']}-token prompts" if m.get("gpu") else ""  # scaled up to a GPU
         print(f"chunked prefill (long-prompt{scaled}, budget {c['budget']}): decode p99 gap "
-              f"{_fmt(c['tpot_p99_on_s'], 1e3, 0)} ms with, {_fmt(c['tpot_p99_off_s'], 1e3, 0)} ms without "
-              f"(ratio {c['tpot_p99_ratio']:.2f})")
+              f"{_fmt(c['itl_p99_on_s'], 1e3, 0)} ms with, {_fmt(c['itl_p99_off_s'], 1e3, 0)} ms without "
+              f"(ratio {c['itl_p99_ratio']:.2f})")
     if "serve" in report:
         s = report["serve"]
         print(f"serve ({s['concurrency']} streams, {s['requests']} requests): server {s['server_tok_per_s']:.1f} tok/s "

@@ -44,7 +44,7 @@ def chunked_prefill_effect(model: Transformer, tok: Tokenizer, config: EngineCon
 
     Without chunking a long prompt is prefilled in one step and every running
     request waits for it; with a token budget of ``budget`` it is split. The
-    tail of the gaps between tokens (p99 inter-token latency, the TPOT a
+    tail of the gaps between tokens (p99 inter-token latency, ITL: the stall a
     streaming reader feels) is compared on the short requests only. On a GPU
     the long prompts are scaled up to the device (:func:`long_prompt_tokens`).
     """
@@ -68,8 +68,8 @@ def chunked_prefill_effect(model: Transformer, tok: Tokenizer, config: EngineCon
     long_ttft = {on: nearest_rank([t for q, t in zip(wl.requests, runs[on].ttft) if q.arrival_step], 50)
                  for on in (True, False)}
     return {"budget": budget, "short_requests": len(short.requests), "long_prompt_tokens": longest,
-            "tpot_p99_on_s": decode_itl[True], "tpot_p99_off_s": decode_itl[False],
-            "tpot_p99_ratio": decode_itl[True] / decode_itl[False],
+            "itl_p99_on_s": decode_itl[True], "itl_p99_off_s": decode_itl[False],
+            "itl_p99_ratio": decode_itl[True] / decode_itl[False],
             "ttft_p50_long_on_s": long_ttft[True], "ttft_p50_long_off_s": long_ttft[False],
             "note": runs[True].note.strip("; ")}
 

@@ -144,7 +144,10 @@ class Engine:
         drafts = None
         if self.runner.proposer is not None:
             with record_function("propose"):
-                drafts = self.runner.propose(self.scheduler.running)
+                drafts, failed = self.runner.propose(self.scheduler.running)
+            for request, error in failed:  # its proposer failed: it ends alone, its output comes this step
+                self._fail(request, error)
+                self._aborted.append(self.output.abort(request, time.perf_counter()))
         with record_function("schedule"):  # named phases show up in torch.profiler (chapter 8)
             plan = self.scheduler.schedule(drafts)
         scheduled_time = time.perf_counter()

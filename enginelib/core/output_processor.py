@@ -142,7 +142,9 @@ class OutputProcessor:
     @staticmethod
     def output(live: _Live) -> RequestOutput:
         r = live.request
+        n = len(r.output_token_ids)  # a stop string's cut drops the logprobs of the tokens it dropped
+        logprobs = None if r.params.logprobs is None else r.output_logprobs[:n]
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids,
                              [CompletionOutput(0, live.detokenizer.text, list(r.output_token_ids), r.finish_reason,
-                                               live.error)],
+                                               live.error, logprobs)],
                              r.is_finished, r.metrics)

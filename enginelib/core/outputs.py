@@ -4,6 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model's raw logits (vLLM's ``raw_logprobs``), and the
+    ``params.logprobs`` most likely tokens at its position, best first: what OpenAI's ``logprobs`` reports."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -11,6 +21,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
     error: str | None = None   # with "error": what went wrong for this request alone (the engine went on)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when params.logprobs asks (else None)
 
 
 @dataclass
@@ -85,6 +96,7 @@ class StreamDelta:
     num_output_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # with finish_reason "error": what failed this request alone
+    logprobs: list[TokenLogprob] | None = None  # of ``token_ids``, when the request asked for them
 
 
 @dataclass
@@ -106,6 +118,7 @@ class DeltaCursor:
         ready = len(done.text) if out.finished else max(self.chars, len(done.text) - self.hold_back)
         delta = StreamDelta(out.request_id, done.text[self.chars:ready], done.token_ids[self.tokens:],
                             out.finished, done.finish_reason, len(out.prompt_token_ids), len(done.token_ids),
-                            out.metrics if out.finished else None, done.error)
+                            out.metrics if out.finished else None, done.error,
+                            None if done.logprobs is None else done.logprobs[self.tokens:])
         self.chars, self.tokens = ready, len(done.token_ids)
         return delta

@@ -5,6 +5,7 @@ those tables. (Part I's contiguous cache is :mod:`enginelib.baselines.kv_cache`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -13,7 +14,7 @@ from enginelib.model.transformer import ModelConfig, attention, attention_mask
 
 
 @dataclass
-class _AttentionGroup:
+class AttentionGroup:
     """Sequences attended together, their queries padded to the longest (Q). Built once per step."""
 
     rows: torch.Tensor    # [S * Q] row in the flat batch of each query (padding repeats the last real one)
@@ -25,7 +26,7 @@ class _AttentionGroup:
 
 
 def _attention_groups(batch: Batch, block_size: int, num_groups: int = 1,
-                      dtype: torch.dtype = torch.float32) -> list[_AttentionGroup]:
+                      dtype: torch.dtype = torch.float32) -> list[AttentionGroup]:
     """Decodes (one query each) in one group, prefills in another, so neither pads to the other.
 
     Which rows go where follows from the query lengths alone, which the host
@@ -56,12 +57,12 @@ def _attention_groups(batch: Batch, block_size: int, num_groups: int = 1,
         pick, rows, take, dest = next(pieces), next(pieces), next(pieces), next(pieces)
         allowed = keys[None, None, :] <= batch.positions[rows].view(seqs, width, 1)  # causal, in its own sequence
         mask = attention_mask(allowed[:, None], num_groups, dtype)
-        groups.append(_AttentionGroup(rows, batch.block_tables[pick].flatten(), mask, take, dest, whole))
+        groups.append(AttentionGroup(rows, batch.block_tables[pick].flatten(), mask, take, dest, whole))
     return groups
 
 
 def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-                    group: _AttentionGroup) -> torch.Tensor:
+                    group: AttentionGroup) -> torch.Tensor:
     """Attention for one group, reading keys and values through block tables.
 
     q: [N, H, D] the batch's flat queries; k_blocks, v_blocks: [num_blocks, block_size, KV, D]
@@ -103,10 +104,12 @@ class PagedKVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 decode_kernel: bool = False) -> None:
+                 decode_kernel: Callable[..., torch.Tensor] | None = None) -> None:
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # CPU, float32: steps of one query per sequence attend in cpu_kernels.decode_attention, which reads the
-        # keys where they lie (no gather, no mask); the engine checks that the kernel builds before asking
+        # steps of one query per sequence attend in this fused kernel, which writes the new K/V and reads the
+        # keys where they lie (no gather, no mask): ``(q, k, v, k_pool, v_pool, block_tables, context_lens)``,
+        # the C++ one on a CPU or the Triton one on a GPU, picked (and checked) by the runner's
+        # decode_attention_kernel; None: every step gathers the keys for SDPA
         self.decode_kernel = decode_kernel
         self._fused = False
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -114,7 +117,7 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_groups = cfg.num_heads // cfg.num_kv_heads
         self.batch: Batch | None = None
-        self._groups: list[_AttentionGroup] = []
+        self._groups: list[AttentionGroup] = []
 
     @staticmethod
     def blocks_in_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
@@ -127,7 +130,7 @@ class PagedKVCache:
 
     def bind(self, batch: Batch) -> "PagedKVCache":
         self.batch = batch
-        self._fused = self.decode_kernel and batch.num_tokens == batch.num_seqs
+        self._fused = self.decode_kernel is not None and batch.num_tokens == batch.num_seqs
         if self._fused:  # the tables checked once for the step's layers (the kernel trusts them)
             check_tables(batch.block_tables, batch.context_lens, self.num_blocks, self.block_size)
             self._groups = []
@@ -145,9 +148,8 @@ class PagedKVCache:
         """Write this step's K/V into their slots, then attend through the blocks."""
         if self._fused:  # the kernel writes the new K/V too
             b = self.batch
-            return torch.ops.enginelib.decode_attention(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(),
-                                                        self.k[layer], self.v[layer], b.block_tables,
-                                                        b.context_lens)[None]
+            return self.decode_kernel(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), self.k[layer],
+                                      self.v[layer], b.block_tables, b.context_lens)[None]
         self.write(layer, k, v)
         if len(self._groups) == 1 and self._groups[0].whole:
             return paged_attention(q[0], self.k[layer], self.v[layer], self._groups[0])[None]

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from enginelib.config import SamplingParams
-from enginelib.core.outputs import RequestMetrics
+from enginelib.core.outputs import RequestMetrics, TokenLogprob
 
 
 class RequestStatus(str, Enum):
@@ -31,6 +31,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of its full blocks, for the prefix cache
     num_preemptions: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # with params.logprobs: one per sampled token, written by the runner (a stop string's cut may leave extras,
+    # so readers take the first len(output_token_ids))
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -2,24 +2,27 @@
 
 It owns everything that touches tensors in a step: the paged KV cache, building
 the batch, the forward pass (eager, or compiled when a config asks), sampling
-with each request's own generator, and verifying speculative guesses. It is the
-only core module that reaches into :mod:`enginelib.speed`, and it imports that
-code lazily, when a config asks for it, so a plain engine loads none of it.
+with each request's own generator (and the log-probabilities a request asks for),
+and verifying speculative guesses. It is the only core module that reaches into
+:mod:`enginelib.speed`, and it imports that code lazily, when a config asks for
+it, so a plain engine loads none of it.
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.profiler import record_function
 
 from enginelib.config import EngineConfig, SamplingParams
 from enginelib.core.batch import Batch, SequenceWork
+from enginelib.core.outputs import TokenLogprob
 from enginelib.core.paged_cache import PagedKVCache
 from enginelib.core.request import Request
 from enginelib.core.scheduler import ScheduledWork, SchedulerOutput
-from enginelib.model.sampling import make_generator, sample
+from enginelib.model.sampling import make_generator, sample, token_logprobs
 from enginelib.model.transformer import Transformer
 
 
@@ -51,10 +54,9 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int) -> None:
         self.model, self.config = model, config
-        if config.cpu_decode_kernel:
-            _check_decode_kernel(model)
+        decode_kernel = decode_attention_kernel(model.device, model.dtype) if config.cpu_decode_kernel else None
         self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype,
-                                  decode_kernel=config.cpu_decode_kernel)
+                                  decode_kernel=decode_kernel)
         self.proposer = None
         if config.speculative is not None:
             from enginelib.speed.speculative import make_proposer
@@ -95,21 +97,27 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def propose(self, running: list[Request]) -> dict[str, list[int]]:
-        """Guesses for every running request that decodes next step, at most k and never past its max_tokens."""
+    def propose(self, running: list[Request]) -> tuple[dict[str, list[int]], list[tuple[Request, Exception]]]:
+        """Guesses for every running request that decodes next step, at most k and never past its max_tokens;
+        and the requests whose proposal failed, with the error: such a request fails alone (as in ``_sample``)."""
         k, vocab = self.config.speculative.num_speculative_tokens, self.model.cfg.vocab_size
-        drafts = {}
+        drafts, failed = {}, []
         for request in running:
             n = min(k, request.params.max_tokens - len(request.output_token_ids) - 1)
             decodes = request.num_uncomputed_tokens == 1 and request.num_computed_tokens >= len(request.prompt_token_ids)
             if n < 1 or not decodes:
                 continue
-            guesses = list(self.proposer.propose(request.all_token_ids, n))[:n]
-            if any(not 0 <= t < vocab for t in guesses):
-                raise ValueError(f"the proposer guessed token ids outside the vocabulary (0..{vocab - 1}): {guesses}")
+            try:  # one request's proposal (a draft model's step, a bad guess): it fails alone, the step goes on
+                guesses = list(self.proposer.propose(request.all_token_ids, n))[:n]
+                if any(not 0 <= t < vocab for t in guesses):
+                    raise ValueError(f"the proposer guessed token ids outside the vocabulary (0..{vocab - 1}): "
+                                     f"{guesses}")
+            except Exception as error:  # noqa: BLE001 - the request fails with it, the others go on
+                failed.append((request, error))
+                continue
             if guesses:
                 drafts[request.request_id] = guesses
-        return drafts
+        return drafts, failed
 
     # --- one step -----------------------------------------------------------------------
 
@@ -135,9 +143,12 @@ class ModelRunner:
             tokens = logits.argmax(dim=-1)
             sampling = [w for w in plan.scheduled if w.samples]
             rows, verdicts, failed = self._sample(sampling, logits, tokens)
+            self._logprobs(sampling, rows, logits, tokens)
             if not any(w.draft_token_ids for w in sampling):
                 return tokens.tolist(), failed
-            return self._verify(sampling, tokens, rows, verdicts, failed), failed
+            runs = self._verify(sampling, tokens, rows, verdicts, failed)
+            self._run_logprobs(sampling, rows, logits, runs)
+            return runs, failed
 
     def _sample(self, sampling: list[ScheduledWork], logits: torch.Tensor, tokens: torch.Tensor):
         """Sample each work that is not greedy with its request's own generator: its token into ``tokens``
@@ -162,6 +173,37 @@ class ModelRunner:
                     failed.append((request, error))
             row += n
         return rows, verdicts, failed
+
+    @staticmethod
+    def _logprobs(sampling: list[ScheduledWork], rows: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Each sampled token's log-probabilities, for the requests that ask (``params.logprobs``), appended to
+        the request; a step where none asks computes nothing. A work with guesses waits for its run
+        (``_run_logprobs``)."""
+        wanted = [(w.request, row) for w, row in zip(sampling, rows)
+                  if w.request.params.logprobs is not None and not w.draft_token_ids]
+        if not wanted:
+            return
+        index = torch.tensor([row for _, row in wanted], device=logits.device)
+        num_top = max(request.params.logprobs for request, _ in wanted)
+        for (request, _), (token, logprob, top) in zip(wanted, token_logprobs(logits[index], tokens[index], num_top)):
+            request.output_logprobs.append(TokenLogprob(token, logprob, top[:request.params.logprobs]))
+
+    @staticmethod
+    def _run_logprobs(sampling: list[ScheduledWork], rows: list[int], logits: torch.Tensor,
+                      runs: list[int | list[int]]) -> None:
+        """A verified run's log-probabilities: token j of the run at row ``first + j``. The run is known only
+        after the step's transfer, so this takes a second one, in steps where a request with guesses asks."""
+        wanted = [(w.request, first, run) for w, first, run in zip(sampling, rows, runs)
+                  if w.draft_token_ids and w.request.params.logprobs is not None and isinstance(run, list)]
+        if not wanted:
+            return
+        index = torch.tensor([first + j for _, first, run in wanted for j in range(len(run))], device=logits.device)
+        tokens = torch.tensor([t for *_, run in wanted for t in run], device=logits.device)
+        found = iter(token_logprobs(logits[index], tokens, max(request.params.logprobs for request, *_ in wanted)))
+        for request, _, run in wanted:
+            for _ in run:
+                token, logprob, top = next(found)
+                request.output_logprobs.append(TokenLogprob(token, logprob, top[:request.params.logprobs]))
 
     def _verify(self, sampling: list[ScheduledWork], tokens: torch.Tensor, rows: list[int],
                 verdicts: list[torch.Tensor], failed: list[tuple[Request, Exception]]) -> list[int | list[int]]:
@@ -189,12 +231,28 @@ class ModelRunner:
         return out
 
 
-def _check_decode_kernel(model: Transformer) -> None:
-    """Refuse ``cpu_decode_kernel`` where the kernels cannot run, then build them: the paged cache calls the
-    operator directly (core imports no speed code), so it must be registered before the first decode step."""
-    from enginelib.speed import cpu_kernels  # here, not at the top: a plain engine loads no speed code
+def decode_attention_kernel(device: torch.device | str, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """The fused decode attention for ``EngineConfig(cpu_decode_kernel=True)`` on ``device`` in ``dtype``: the one
+    place that picks it. A CPU in float32 gets our C++ kernel (built here, so a failed build raises RuntimeError
+    with the compiler's last lines before the first step), a CUDA GPU Triton's (float32 or float16, and
+    bfloat16 from compute capability 8.0); both take ``(q, k, v, k_pool, v_pool, block_tables, context_lens)``,
+    write the step's K/V and return the attention. Elsewhere a ValueError says why.
 
-    reason = cpu_kernels.unavailable(model.device, model.dtype)
-    if reason:
-        raise ValueError(f"cpu_decode_kernel cannot be used here: {reason}")
-    cpu_kernels.load()  # a failed build raises RuntimeError with the compiler's last lines
+    The speed modules are imported here, not at the top: a plain engine loads no speed code (and no Triton)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        from enginelib.speed import cpu_kernels
+
+        reason = cpu_kernels.unavailable(device, dtype)
+        if reason is None:
+            cpu_kernels.load()
+            return torch.ops.enginelib.decode_attention
+    elif kind == "cuda":
+        from enginelib.speed import triton_kernels
+
+        reason = triton_kernels.unavailable(device, dtype)
+        if reason is None:
+            return triton_kernels.decode_attention
+    else:
+        reason = f"the fused decode attention runs on a CPU (C++) or a CUDA GPU (Triton), not {kind}"
+    raise ValueError(f"cpu_decode_kernel cannot be used here: {reason}")

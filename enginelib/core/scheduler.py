@@ -7,7 +7,7 @@ steps, while the others keep decoding. Waiting requests are admitted in order
 while their blocks and tokens fit. When a running request needs a block and
 none is free, the most recently admitted request is *preempted by recompute*
 (its blocks freed, itself sent back to the front of the queue).
-With speculative decoding (chapter 12), a decode may also compute guessed
+With speculative decoding (chapter 14), a decode may also compute guessed
 tokens that the engine verifies; ``update`` then keeps only what verification
 accepted and gives back the blocks that held rejected guesses only.
 

@@ -36,3 +36,22 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         return logits.argmax(dim=-1)
     probs = filter_logits(logits, params).softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   num_top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """Each row's token (from ``tokens`` [B]), its log-probability, and the row's ``num_top`` most likely
+    tokens with theirs, best first.
+
+    From the raw logits [B, V] (before temperature, top-k and top-p), as vLLM reports by default
+    (``logprobs_mode="raw_logprobs"``): what the model thinks, not what the filters left. Only the rows that
+    ask come here, and everything comes to the host in one transfer.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens.view(-1, 1).long())
+    top = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+    # token ids are exact in float64: one tensor, one transfer
+    host = torch.cat([tokens.view(-1, 1).double(), chosen.double(), top.values.double(), top.indices.double()],
+                     dim=1).tolist()
+    k = top.values.shape[1]
+    return [(int(row[0]), row[1], [(int(i), v) for v, i in zip(row[2:2 + k], row[2 + k:])]) for row in host]

@@ -1,11 +1,12 @@
-"""An OpenAI-compatible HTTP server over one :class:`AsyncEngine` (chapter 13).
+"""An OpenAI-compatible HTTP server over one :class:`AsyncEngine` (chapter 11).
 
     python -m enginelib.serve --model smollm2-135m --port 8000
 
 Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (with
 ``stream: true`` as server-sent events), ``/health`` and ``/metrics``
 (Prometheus). Every connection's request goes into the one engine loop, so
-clients share decode steps. Bad requests get a 4xx in OpenAI's error shape; a
+clients share decode steps. ``n`` choices per prompt, a list of prompts (completions)
+and ``logprobs`` (``top_logprobs`` in chat) are OpenAI's. Bad requests get a 4xx in OpenAI's error shape; a
 full waiting queue gets a 503 with ``Retry-After``; a request that fails inside
 the engine gets a 500 (a stream: an error event, then ``[DONE]``) while the
 others go on; a client that disconnects has its request aborted.
@@ -27,21 +28,21 @@ import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from enginelib.config import CompileConfig, EngineConfig, SamplingParams, SpeculativeConfig
-from enginelib.core.outputs import StreamDelta
+from enginelib.config import MAX_LOGPROBS, CompileConfig, EngineConfig, SamplingParams, SpeculativeConfig
+from enginelib.core.outputs import StreamDelta, TokenLogprob
 from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed, RequestStream
 from enginelib.serve.guard import Guard, error_object, is_loopback
+from enginelib.serve.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from enginelib.model.transformer import Transformer
@@ -67,9 +68,10 @@ class _Body(BaseModel):
     stop_token_ids: list[int] | None = None    # vLLM's extension
     ignore_eos: bool = False                   # vLLM's extension
     include_stop_str_in_output: bool = False   # vLLM's extension
-    seed: int | None = None
+    seed: int | None = None                    # choice j of n samples with seed + j (as vLLM)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    n: int | None = None                       # samples per prompt (None: 1)
 
 
 # OpenAI fields this server does not implement, with the value that means "not used": any other value is
@@ -77,8 +79,10 @@ class _Body(BaseModel):
 UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
                "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "repetition_penalty": (None, 1, 1.0), "echo": (None, False), "suffix": (None, ""),
-               "top_logprobs": (None, 0), "logprobs": (None, False, 0), "n": (None, 1)}
+               "repetition_penalty": (None, 1, 1.0), "echo": (None, False), "suffix": (None, "")}
+MAX_N = 16        # samples per prompt at most: each is a request of its own in the batch
+MAX_PROMPTS = 64  # prompts in one /v1/completions body at most
+LOGPROB_FLOOR = -9999.0  # a logprob of -inf is not JSON: reported as this (as vLLM does)
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 128  # a stream holds back max(len(stop)) - 1 characters
 ECHO_LIMIT = 80  # characters of a refused value repeated in an error message
 
@@ -90,7 +94,8 @@ def _echo(value: object) -> str:
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a list: a choice per prompt (and n)
+    logprobs: int | None = None  # the legacy API's: this many most likely tokens per position (0..20)
 
 
 class Message(BaseModel):
@@ -102,6 +107,8 @@ class Message(BaseModel):
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None   # the newer name OpenAI's API gives max_tokens
+    logprobs: bool | None = None               # each output token's logprob ...
+    top_logprobs: int | None = None            # ... and this many most likely tokens per position (0..20)
 
 
 class ApiError(Exception):
@@ -115,75 +122,6 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(error_object(self.status, self.message, self.code, self.param), status_code=self.status,
                             headers=self.headers)
-
-
-# --- metrics -------------------------------------------------------------------------------
-
-class _EngineCollector:
-    """Gauges and counters read from the engine loop's latest snapshot when /metrics is scraped."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-
-    def collect(self):
-        s = self.engine.stats
-        for name, doc, value in [("num_requests_running", "Requests in the running batch.", s.running),
-                                 ("num_requests_waiting", "Requests queued, not yet admitted.", s.waiting),
-                                 ("kv_blocks_used", "KV-cache blocks held by requests.", s.pool.used),
-                                 ("kv_blocks_free", "KV-cache blocks free (cached ones included).", s.pool.free),
-                                 ("kv_blocks_total", "KV-cache blocks in the pool.", s.pool.total),
-                                 ("kv_cache_usage_ratio", "Fraction of KV blocks in use.", s.pool.used / s.pool.total)]:
-            yield GaugeMetricFamily(f"enginelib_{name}", doc, value=value)
-        for name, doc, value in [("generation_tokens", "Tokens generated.", s.generated_tokens),
-                                 ("num_preemptions", "Requests preempted to free blocks.", s.preemptions),
-                                 ("engine_steps", "Engine steps run.", s.steps),
-                                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  s.prefix_cache.queried_tokens),
-                                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  s.prefix_cache.hit_tokens),
-                                 ("spec_decode_num_draft_tokens", "Speculative guesses verified.",
-                                  s.spec_decode.proposed),
-                                 ("spec_decode_num_accepted_tokens", "Speculative guesses the model agreed with.",
-                                  s.spec_decode.accepted)]:
-            yield CounterMetricFamily(f"enginelib_{name}", doc, value=value)
-
-
-@dataclass
-class ServerMetrics:
-    """The server's Prometheus registry: the engine's state, plus latency histograms of finished requests."""
-
-    engine: AsyncEngine
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-
-    def __post_init__(self) -> None:
-        self.registry.register(_EngineCollector(self.engine))
-        seconds = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
-        self.ttft = Histogram("enginelib_time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=seconds, registry=self.registry)
-        self.tpot = Histogram("enginelib_time_per_output_token_seconds", "Mean gap between output tokens.",
-                              buckets=seconds, registry=self.registry)
-        self.e2e = Histogram("enginelib_e2e_request_latency_seconds", "Arrival to the last token.",
-                             buckets=seconds, registry=self.registry)
-        self.finished = Counter("enginelib_request_success", "Requests finished, by reason.",
-                                ["finished_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("enginelib_prompt_tokens", "Prompt tokens of finished requests.",
-                                     registry=self.registry)
-
-    def observe(self, last: StreamDelta) -> None:
-        m = last.metrics
-        if m is None:
-            return
-        if m.time_to_first_token is not None:
-            self.ttft.observe(m.time_to_first_token)
-        if m.time_per_output_token is not None:
-            self.tpot.observe(m.time_per_output_token)
-        if m.last_token_time is not None:
-            self.e2e.observe(m.last_token_time - m.arrival_time)
-        self.finished.labels(last.finish_reason or "unknown").inc()
-        self.prompt_tokens.inc(last.num_prompt_tokens)
-
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 # --- the app -------------------------------------------------------------------------------
@@ -242,7 +180,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionBody, max_body_bytes)
-        return await _answer(request, body, body.prompt, "completion")
+        return await _answer(request, body, _prompts(body.prompt), "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -254,26 +192,42 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
             raise ApiError(400, str(error), "messages") from None
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        return await _answer(request, body, prompt, "chat")
+        return await _answer(request, body, [prompt], "chat")
 
-    async def _answer(request: Request, body: _Body, prompt: str | list[int], kind: str) -> Response:
+    async def _answer(request: Request, body: _Body, prompts: list[str | list[int]], kind: str) -> Response:
+        """Choice ``i * n + j`` is sample j of prompt i (as OpenAI and vLLM number them): each a request of its
+        own, sampled with ``seed + j`` (as vLLM seeds its child requests). With prefix caching on, the n
+        requests of one prompt share its full blocks: the scheduler hashes a block when it schedules the
+        tokens that fill it, so the children admitted after the first find its blocks, even in the same step."""
         if body.model != model_name:
             raise ApiError(404, f"the model {_echo(body.model)} does not exist here: use {model_name!r} "
                                 "(GET /v1/models lists it)", "model", "model_not_found")
-        params = _sampling_params(body, prompt, tokenizer, context)
-        try:
-            stream = await engine.add_request(prompt, params, f"{kind}-{uuid.uuid4().hex}")
-        except ValueError as error:  # the prompt: past the context, empty, out of the vocabulary
-            raise ApiError(400, str(error), _param(str(error)) or "prompt") from None
-        except EngineOverloaded as error:
-            raise ApiError(503, str(error), headers={"Retry-After": "1"}) from None
-        except EngineDead as error:
-            raise ApiError(503, str(error)) from None
-        chunks = _Chunks(kind, model_name, stream.request_id)
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= MAX_N:
+            raise ApiError(400, f"n={_echo(n)}: this server samples 1 to {MAX_N} choices per prompt", "n")
+        logprobs = _logprobs_asked(body)
+        params = [_sampling_params(body, prompt, tokenizer, context, logprobs) for prompt in prompts]
+        request_id = uuid.uuid4().hex
+        streams: list[RequestStream] = []
+        try:  # all the choices or none: one refused closes (aborts) those already queued
+            for i, prompt in enumerate(prompts):
+                for j in range(n):
+                    seed = None if params[i].seed is None else params[i].seed + j
+                    streams.append(await engine.add_request(prompt, replace(params[i], seed=seed),
+                                                            f"{kind}-{request_id}-{i * n + j}"))
+        except (ValueError, EngineOverloaded, EngineDead) as error:
+            for stream in streams:
+                stream.close()
+            if isinstance(error, ValueError):  # the prompt: past the context, empty, out of the vocabulary
+                where = f"prompt {len(streams) // n}: " if len(prompts) > 1 else ""
+                raise ApiError(400, where + str(error), _param(str(error)) or "prompt") from None
+            raise ApiError(503, str(error), headers={"Retry-After": "1"} if isinstance(error, EngineOverloaded)
+                           else None) from None
+        chunks = _Chunks(kind, model_name, request_id, tokenizer, logprobs is not None, n)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_sse(stream, chunks, metrics, usage), media_type="text/event-stream")
-        return await _until_disconnected(request, _collect(stream, chunks, metrics))
+            return StreamingResponse(_sse(streams, chunks, metrics, usage), media_type="text/event-stream")
+        return await _until_disconnected(request, _collect(streams, chunks, metrics))
 
     return app
 
@@ -338,7 +292,31 @@ def _refuse_unsupported(body: _Body) -> None:
         raise ApiError(400, f"stop: a stop string may have at most {MAX_STOP_LENGTH} characters", "stop")
 
 
-def _sampling_params(body: _Body, prompt: str | list[int], tokenizer, context: int) -> SamplingParams:
+def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """/v1/completions' ``prompt``: one text or token-id list, or a list of them (a choice per prompt)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", "prompt")
+    return list(prompt)
+
+
+def _logprobs_asked(body: _Body) -> int | None:
+    """How many top tokens per position the body asks for (None: no logprobs). Chat says ``logprobs: true``
+    and ``top_logprobs: k``; the legacy completions API says ``logprobs: k``."""
+    if isinstance(body, CompletionBody):
+        return body.logprobs
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be from 0 to {MAX_LOGPROBS}, got {body.top_logprobs}",
+                           "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _sampling_params(body: _Body, prompt: str | list[int], tokenizer, context: int,
+                     logprobs: int | None = None) -> SamplingParams:
     """The request's sampling fields as SamplingParams; what we do not support is refused by name."""
     _refuse_unsupported(body)
     max_tokens = body.max_tokens
@@ -349,7 +327,7 @@ def _sampling_params(body: _Body, prompt: str | list[int], tokenizer, context: i
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               max_tokens=max_tokens, stop=[] if body.stop is None else body.stop,
                               stop_token_ids=body.stop_token_ids or [],
-                              ignore_eos=body.ignore_eos, seed=body.seed,
+                              ignore_eos=body.ignore_eos, seed=body.seed, logprobs=logprobs,
                               include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as error:
         raise ApiError(400, str(error), _param(str(error))) from None
@@ -357,93 +335,181 @@ def _sampling_params(body: _Body, prompt: str | list[int], tokenizer, context: i
 
 def _param(message: str) -> str | None:
     """The request field an engine error names (its messages start with it), for OpenAI's ``param``."""
-    fields = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop", "seed")
+    fields = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop", "seed", "logprobs")
     return next((f for f in fields if message.startswith(f) or f"{f} (" in message), None)
 
 
 @dataclass
 class _Chunks:
-    """OpenAI's response objects for one request: whole answers, stream chunks and usage."""
+    """OpenAI's response objects for one request's choices: whole answers, stream chunks, logprobs and usage."""
 
     kind: str  # "completion" or "chat"
     model: str
-    request_id: str
+    request_id: str  # what both kinds' ids end in
+    tokenizer: Any
+    logprobs: bool = False  # the request asked for logprobs
+    n: int = 1  # choices per prompt: usage counts each prompt once
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _base(self, suffix: str = "") -> dict:
         chat = self.kind == "chat"
-        return {"id": ("chatcmpl-" if chat else "cmpl-") + self.request_id.split("-", 1)[1],
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + self.request_id,
                 "object": ("chat.completion" if chat else "text_completion") + suffix,
                 "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str | None, last: StreamDelta) -> dict:
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._base() | {"choices": [choice], "usage": usage(last)}
+    def whole(self, answers: list[tuple[str, StreamDelta, list[TokenLogprob]]]) -> dict:
+        """The whole answer: choice i is ``answers[i]`` (its text, last delta and logprobs)."""
+        choices = []
+        for index, (text, last, items) in enumerate(answers):
+            logprobs = self.logprobs_object(items)[0] if self.logprobs else None
+            said = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
+            choices.append({"index": index, **said, "logprobs": logprobs, "finish_reason": last.finish_reason})
+        return self._base() | {"choices": choices, "usage": self.usage([last for _, last, _ in answers])}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, role: bool = False,
+              logprobs: dict | None = None) -> dict:
+        """One stream chunk of choice ``index``."""
         if self.kind == "chat":
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._base(".chunk") | {"choices": [choice]}
-        return self._base() | {"choices": [{"index": 0, "text": text or "", "logprobs": None,
+        return self._base() | {"choices": [{"index": index, "text": text or "", "logprobs": logprobs,
                                             "finish_reason": finish_reason}]}
 
-    def usage_chunk(self, last: StreamDelta) -> dict:
-        return self._base(".chunk" if self.kind == "chat" else "") | {"choices": [], "usage": usage(last)}
+    def usage_chunk(self, lasts: list[StreamDelta]) -> dict:
+        return self._base(".chunk" if self.kind == "chat" else "") | {"choices": [], "usage": self.usage(lasts)}
 
+    def usage(self, lasts: list[StreamDelta]) -> dict:
+        """Each prompt counted once (its n choices share it), every choice's completion tokens."""
+        prompt = sum(last.num_prompt_tokens for last in lasts[::self.n])
+        completion = sum(last.num_output_tokens for last in lasts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-def usage(last: StreamDelta) -> dict:
-    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
-            "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+    def logprobs_object(self, items: list[TokenLogprob], offset: int = 0) -> tuple[dict, int]:
+        """OpenAI's ``logprobs`` of these tokens, and the text offset after them (completions count
+        ``text_offset`` from the choice's first character, across a stream's chunks).
+
+        Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``,
+        the top list being the ``top_logprobs`` most likely tokens. Completions (the legacy shape):
+        ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``, each dict the
+        ``logprobs`` most likely tokens and the sampled one (as vLLM gives them).
+        """
+        token = self.tokenizer.token
+        if self.kind == "chat":
+            def entry(token_id: int, logprob: float) -> dict:
+                text = token(token_id)
+                return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8"))}
+            return {"content": [entry(it.token_id, it.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in it.top]}
+                                for it in items]}, offset
+        texts, offsets, tops = [], [], []
+        for it in items:
+            text = token(it.token_id)
+            top = {token(t): max(lp, LOGPROB_FLOOR) for t, lp in it.top}
+            top.setdefault(text, max(it.logprob, LOGPROB_FLOOR))
+            texts.append(text)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": [max(it.logprob, LOGPROB_FLOOR) for it in items],
+                "top_logprobs": tops, "text_offset": offsets}, offset
 
 
 def _sse_line(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _sse(stream: RequestStream, chunks: _Chunks, metrics: ServerMetrics, include_usage: bool) -> AsyncIterator[str]:
-    """A request's deltas as server-sent events; the stream closes (aborts the request) if the client leaves."""
+class _Merged:
+    """Several choices' streams as one async iterator of ``(choice index, delta)``, in the order they come;
+    the first failure raises. ``close()`` aborts every unfinished choice."""
+
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self.streams, self.left = streams, len(streams)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, index: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                self.queue.put_nowait((index, delta))
+        except Exception as error:  # noqa: BLE001 - raised in the reader: a pump that died silently would hang it
+            self.queue.put_nowait((index, error))
+        self.queue.put_nowait((index, None))  # this choice is done
+
+    def __aiter__(self) -> _Merged:
+        return self
+
+    async def __anext__(self) -> tuple[int, StreamDelta]:
+        while self.left:
+            index, item = await self.queue.get()
+            if item is None:
+                self.left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                return index, item
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for stream in self.streams:
+            stream.close()
+
+
+async def _sse(streams: list[RequestStream], chunks: _Chunks, metrics: ServerMetrics,
+               include_usage: bool) -> AsyncIterator[str]:
+    """The choices' deltas as server-sent events, each chunk naming its choice's index. The stream closes
+    (aborting every unfinished choice) if the client leaves, or when a choice fails."""
+    merged, lasts, offsets = _Merged(streams), [None] * len(streams), [0] * len(streams)
     try:
         if chunks.kind == "chat":
-            yield _sse_line(chunks.chunk("", role=True))
-        async for delta in stream:
-            if delta.text:
-                yield _sse_line(chunks.chunk(delta.text))
+            for index in range(len(streams)):
+                yield _sse_line(chunks.chunk(index, "", role=True))
+        async for index, delta in merged:
+            logprobs = None
+            if chunks.logprobs and delta.logprobs:
+                logprobs, offsets[index] = chunks.logprobs_object(delta.logprobs, offsets[index])
+            if delta.text or logprobs:
+                yield _sse_line(chunks.chunk(index, delta.text, logprobs=logprobs))
             if delta.finished:
                 metrics.observe(delta)
-                yield _sse_line(chunks.chunk(None if chunks.kind == "chat" else "", delta.finish_reason))
-                if include_usage:
-                    yield _sse_line(chunks.usage_chunk(delta))
+                lasts[index] = delta
+                yield _sse_line(chunks.chunk(index, None if chunks.kind == "chat" else "", delta.finish_reason))
+        if include_usage:
+            yield _sse_line(chunks.usage_chunk(lasts))
     except EngineDead as error:  # a stream that ends in an error still ends cleanly: the error, then [DONE]
         yield _sse_line(error_object(503, str(error)))
     except RequestFailed as error:
         metrics.observe(error.delta)
         yield _sse_line(error_object(500, str(error)))
     finally:
-        stream.close()
+        merged.close()
     yield _sse_line("[DONE]")
 
 
-async def _collect(stream: RequestStream, chunks: _Chunks, metrics: ServerMetrics) -> Response:
-    texts = []
+async def _collect(streams: list[RequestStream], chunks: _Chunks, metrics: ServerMetrics) -> Response:
+    """The whole answer, once every choice has finished; one failed choice fails the request (a 500)."""
+    merged = _Merged(streams)
+    texts: list[list[str]] = [[] for _ in streams]
+    items: list[list[TokenLogprob]] = [[] for _ in streams]
+    lasts: list[StreamDelta | None] = [None] * len(streams)
     try:
-        async for delta in stream:
-            texts.append(delta.text)
+        async for index, delta in merged:
+            texts[index].append(delta.text)
+            items[index].extend(delta.logprobs or [])
             if delta.finished:
                 metrics.observe(delta)
-                return JSONResponse(chunks.whole("".join(texts), delta.finish_reason, delta))
+                lasts[index] = delta
     except EngineDead as error:
         raise ApiError(503, str(error)) from None
     except RequestFailed as error:  # this request alone: the server goes on
         metrics.observe(error.delta)
         raise ApiError(500, str(error)) from None
     finally:
-        stream.close()
-    raise ApiError(500, "the request ended without a final output")
+        merged.close()
+    if any(last is None for last in lasts):
+        raise ApiError(500, "the request ended without a final output")
+    return JSONResponse(chunks.whole([("".join(t), last, i) for t, last, i in zip(texts, lasts, items)]))
 
 
 async def _until_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
@@ -487,7 +553,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-batch-sizes", type=lambda s: tuple(int(b) for b in s.split(",")), default=None,
                    help="comma-separated decode batch sizes to compile (default: 1,2,4,8,16,32)")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                   help="waiting requests past which new ones get 503 + Retry-After")
+                   help="requests queued beyond the batch's free seats past which new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--api-key", default=os.environ.get("ENGINELIB_API_KEY"),
                    help="require 'Authorization: Bearer <key>' on /v1 routes (default: $ENGINELIB_API_KEY; none)")
@@ -507,7 +573,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     ``--speculative-config`` takes SpeculativeConfig's fields, and for method "draft" a ``model`` key, as
     vLLM's does: the draft, a GGUF file (or known name) loaded as stored by :func:`quant.load_quantized`;
-    by default the served model's own file, whose Q4_1 layers make it an int4 draft (chapter 12).
+    by default the served model's own file, whose Q4_1 layers make it an int4 draft (chapter 14).
     The draft loads here, after every flag has been checked and before the served model.
     """
 

@@ -61,8 +61,9 @@ class _Stream:
 class AsyncEngine:
     """Run ``engine`` in a background thread; ``generate`` streams a request's deltas to an asyncio caller.
 
-    ``max_waiting`` bounds the waiting queue: past it, ``generate`` raises
-    :class:`EngineOverloaded` instead of queueing work nobody will wait for.
+    ``max_waiting`` bounds the waiting queue beyond the free seats of the batch: past it, ``generate``
+    raises :class:`EngineOverloaded` instead of queueing work nobody will wait for (a burst that the
+    free seats take at the next step is never refused).
     ``threads`` is the loop thread's torch CPU thread count (``set_threads``'s default when None).
     """
 
@@ -138,10 +139,13 @@ class AsyncEngine:
     # --- the loop thread -------------------------------------------------------------------
 
     def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None, stream: _Stream) -> str:
-        waiting = len(self.engine.scheduler.waiting)
-        if self.max_waiting is not None and waiting >= self.max_waiting:
-            raise EngineOverloaded(f"{waiting} requests are already waiting (the limit is {self.max_waiting}): "
-                                   "retry later")
+        scheduler = self.engine.scheduler
+        # Only the requests that no free seat will take at the next step count: a burst of commands lands in
+        # the waiting queue before the loop steps, and those that fill free seats are not waiting for anyone.
+        queued = len(scheduler.waiting) - max(0, scheduler.config.max_num_seqs - len(scheduler.running))
+        if self.max_waiting is not None and queued >= self.max_waiting:
+            raise EngineOverloaded(f"{queued} requests are already waiting beyond the free seats (the limit is "
+                                   f"{self.max_waiting}): retry later")
         request_id = self.engine.add_request(prompt, params, request_id)
         stream.cursor.hold_back = stop_hold_back(params)
         self._streams[request_id] = stream

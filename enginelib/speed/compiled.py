@@ -25,32 +25,45 @@ serves every step and no Python runs between the layers. A sequence verifying
 guesses becomes one row per token, each with the sequence's block table and
 its own context length (its position + 1): the kernel writes every row's K/V
 before any row attends, so each guess sees the ones before it, causally.
-Elsewhere attention is an opaque custom operator, ``enginelib::paged_attend``, that reads the step's
-:class:`PagedKVCache`, bound before each call, the way vLLM's attention reads its
-"forward context", and runs the cache's own ``attend``. With
-``mode="reduce-overhead"`` on a GPU, inductor's graph partition replays CUDA
-graphs for the pieces between the attention calls.
+Elsewhere attention is an opaque custom operator, ``enginelib::paged_attend``, that is given
+everything it reads and writes, as the C++ kernel is: one layer's pools (which it writes the new K/V
+into, a mutation it declares), the slots, the block tables padded to the same fixed width, the step's
+mask, and the numbers of real rows and table columns on the host. It runs the engine's own gather and
+SDPA (:func:`enginelib.core.paged_cache.paged_attention`) over the columns in use. With
+``mode="reduce-overhead"`` on a GPU, inductor's graph partition replays CUDA graphs for the pieces
+between the attention calls. Nothing is bound or kept between calls, so engines in one process, or in
+two threads, share no state through this module.
+
+With ``freeze`` on a CPU, the traced model's float32 linears call oneDNN's matmul on a weight packed in
+the graph (:class:`_OneDNNLinear`); freezing folds that packing into a constant once, so each step runs
+the kernel the eager engine's packed linears run, and inductor's own freezing, which would pack float32
+weights for MKL instead, finds no plain matmul to repack.
 """
 from __future__ import annotations
 
-import importlib
+import copy
 import os
 import shutil
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from enginelib.config import CompileConfig
 from enginelib.core.batch import Batch, SequenceWork
-from enginelib.core.paged_cache import PagedKVCache, check_tables
+from enginelib.core.paged_cache import (
+    PagedKVCache,
+    AttentionGroup,
+    check_tables,
+    paged_attention,
+)
 from enginelib.model.device import unpack_linears
-from enginelib.model.transformer import Transformer
+from enginelib.model.transformer import Transformer, attention_mask
 from enginelib.speed import cpu_kernels
 
 RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
@@ -66,7 +79,7 @@ def compile_unavailable(device: torch.device | str) -> str | None:
     if device.type == "cpu":
         cxx = os.environ.get("CXX") or "c++"
         if shutil.which(cxx) is None and shutil.which("g++") is None and shutil.which("clang++") is None:
-            return (f"torch.compile on a CPU needs a C++ compiler and none was found (tried $CXX, c++, g++, clang++): "
+            return ("torch.compile on a CPU needs a C++ compiler and none was found (tried $CXX, c++, g++, clang++): "
                     "install one (Debian/Ubuntu: apt-get install g++; macOS: xcode-select --install) or set $CXX")
         return None
     if device.type == "cuda":
@@ -80,54 +93,64 @@ def compile_unavailable(device: torch.device | str) -> str | None:
 
 # --- attention as an opaque operator --------------------------------------------------------
 
-# .cache: the step's cache while a compiled step runs paged_attend (per thread: engines may share a process)
-_bound = threading.local()
-
-
-@contextmanager
-def bound(cache: PagedKVCache) -> Iterator[None]:
-    """Make ``cache`` (already bound to the step's batch) the one ``paged_attend`` reads, in this thread."""
-    outer = getattr(_bound, "cache", None)
-    _bound.cache = cache
-    try:
-        yield
-    finally:
-        _bound.cache = outer
-
-
 # cudagraph_unsafe: with CUDA graphs (mode="reduce-overhead") inductor cuts the graph around this operator and
 # replays the pieces between, since what it reads (block tables, slots) changes every step
 _UNSAFE_IN_CUDA_GRAPHS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
-@torch.library.custom_op("enginelib::paged_attend", mutates_args=(), tags=_UNSAFE_IN_CUDA_GRAPHS)
-def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """Attention of a padded decode batch over the bound paged cache: rows past the real batch get zeros.
+@torch.library.custom_op("enginelib::paged_attend", mutates_args=("k_pool", "v_pool"), tags=_UNSAFE_IN_CUDA_GRAPHS)
+def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor,
+                 sizes: torch.Tensor) -> torch.Tensor:
+    """One layer's attention of a padded step over the paged pool: rows past the real ones get zeros.
 
-    q: [1, P, H, D]; k, v: [1, P, KV, D]. It also writes the real rows' K/V into
-    the cache, a side effect the compiler cannot see, which is why the cache is
-    reached through :func:`bound` and not passed in.
+    q: [1, P, H, D]; k, v: [1, P, KV, D]; k_pool, v_pool: the layer's pools [blocks, block_size, KV, D], into
+    which the real rows' K/V are written at ``slot_mapping`` [P]; block_tables: [P, width] a table per row
+    (a sequence verifying guesses repeats its own), padded to a fixed width; mask: [P, 1, 1, width *
+    block_size] additive, each row's keys up to its own position; sizes: int64 on the host, (real rows,
+    table columns in use). The last two slice the fixed shapes down to the step's: read on the host,
+    they cost no wait on a GPU, and the graph around the call keeps one shape per bucket.
     """
-    cache = _bound.cache
-    n = cache.batch.num_tokens
-    if n == q.shape[1]:
-        return cache.attend(layer, q, k, v)
-    real = cache.attend(layer, q[:, :n], k[:, :n], v[:, :n])
+    n, width = sizes.tolist()
+    kv, d = k_pool.shape[2:]
+    k_pool.view(-1, kv, d).index_copy_(0, slot_mapping[:n], k[0, :n])
+    v_pool.view(-1, kv, d).index_copy_(0, slot_mapping[:n], v[0, :n])
+    every = torch.arange(n, device=q.device)  # one query per row: the group is the whole of the real rows
+    group = AttentionGroup(every, block_tables[:n, :width].flatten(), mask[:n, ..., :width * k_pool.shape[1]],
+                            every, every, whole=True)
     out = q.new_zeros(q.shape)
-    out[:, :n] = real
+    out[0, :n] = paged_attention(q[0, :n], k_pool, v_pool, group)
     return out
 
 
 @paged_attend.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+      slot_mapping: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q)
 
 
+@dataclass
 class _OpaqueCache:
-    """What the traced model sees as its cache: a call of the opaque operator per layer."""
+    """What the traced model sees as its cache where the C++ kernel does not run: the step's slots, tables,
+    mask and sizes and the pools, all inputs of the graph, and a call of :func:`paged_attend` per layer."""
+
+    slot_mapping: torch.Tensor  # [P], the padding rows' never written
+    block_tables: torch.Tensor  # [P, width], a table per row, padded
+    mask: torch.Tensor          # [P, 1, 1, width * block_size], built once per step in the graph
+    sizes: torch.Tensor         # host int64: (real rows, table columns in use)
+    k: torch.Tensor             # the cache's pools, [layers, blocks, block_size, KV, D]
+    v: torch.Tensor
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.enginelib.paged_attend(q, k, v, layer)
+        return torch.ops.enginelib.paged_attend(q, k, v, self.k[layer], self.v[layer], self.slot_mapping,
+                                                self.block_tables, self.mask, self.sizes)
+
+
+def row_mask(positions: torch.Tensor, num_keys: int, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [P, 1, 1, num_keys] of rows that each attend to the keys up to their own position, as
+    the engine's decode group builds it (:func:`enginelib.core.paged_cache._attention_groups`)."""
+    keys = torch.arange(num_keys, device=positions.device)
+    return attention_mask((keys[None, :] <= positions[:, None])[:, None, None], num_groups, dtype)
 
 
 @dataclass
@@ -176,33 +199,59 @@ def _options(config: CompileConfig, device: torch.device) -> dict:
     return options
 
 
-@contextmanager
-def _frozen_linears_on_onednn(freezing: AbstractContextManager) -> Iterator[None]:
-    """``freezing``, with the float32 linears it packs run by oneDNN, as the eager engine's :class:`PackedLinear`.
+@torch.library.custom_op("enginelib::onednn_packed_weight", mutates_args=())
+def onednn_packed_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` [out, in] reordered for oneDNN's matmul of ``rows`` rows (the eager :class:`PackedLinear`'s).
 
-    On x86 inductor's freezing packs float32 weights for MKL's ``_mkl_linear`` and keeps oneDNN's
-    ``_linear_pointwise`` for 16-bit weights. On the 2-core AMD CPU the book is tested on, oneDNN's runs the
-    decode shapes 1.3-2x faster (32 x 576 by 1536 x 576: 268 against 393 us; the LM head: 10.9 against
-    23.2 ms), and a frozen batch-32 step went from 118 to 58 ms. Where this torch lays its passes out
-    differently, freezing keeps its own choice.
+    In a frozen graph the weight is a constant, so freezing runs this once and keeps the result.
     """
-    try:
-        fusion = importlib.import_module("torch._inductor.fx_passes.mkldnn_fusion")
-        device_op = getattr(fusion, "CpuMkldnnDeviceOp", None)
-    except ImportError:
-        device_op = None
-    pack_weight, pack = getattr(device_op, "pack_linear_weight", None), getattr(device_op, "pack_linear", None)
-    with freezing:
-        if pack_weight is None or pack is None:
-            yield
-            return
-        # the second argument says "16-bit weights": the one case in which inductor packs for oneDNN
-        device_op.pack_linear_weight = lambda op, graph, lp, *rest: pack_weight(op, graph, True, *rest)
-        device_op.pack_linear = lambda op, graph, lp, *rest: pack(op, graph, True, *rest)
-        try:
-            yield
-        finally:
-            device_op.pack_linear_weight, device_op.pack_linear = pack_weight, pack
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+
+@onednn_packed_weight.register_fake
+def _(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.empty_like(weight)  # the packed tensor keeps the weight's logical shape
+
+
+class _OneDNNLinear(nn.Linear):
+    """A float32 Linear whose traced matmul is oneDNN's, on a weight packed in the graph, for frozen graphs.
+
+    On x86 inductor's freezing packs a plain float32 linear for MKL's ``_mkl_linear`` (oneDNN's
+    ``_linear_pointwise`` only for 16-bit weights). On the 2-core AMD CPU the book is tested on, oneDNN's
+    runs the decode shapes 1.3-2x faster (32 x 576 by 1536 x 576: 268 against 393 us; the LM head: 10.9
+    against 23.2 ms), and a frozen batch-32 step went from 118 to 58 ms. Here the traced graph already
+    calls ``_linear_pointwise``, the op the eager engine calls, on :func:`onednn_packed_weight` of a
+    constant, which freezing folds: nothing is left for inductor to repack. Unfrozen, the packing would
+    run every step, so only frozen graphs get these.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = torch.ops.enginelib.onednn_packed_weight(self.weight, x.numel() // x.shape[-1])
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+
+def onednn_linears(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose plain float32 CPU linears are :class:`_OneDNNLinear`, sharing every weight
+    (``model`` itself where oneDNN's linear is missing or no linear qualifies)."""
+    def qualifies(m: nn.Module) -> bool:
+        return type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and any(qualifies(m) for m in model.modules())):
+        return model
+    tensors = [*model.parameters(), *model.buffers(),
+               *(t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor))]
+    copied = copy.deepcopy(model, {id(t): t for t in tensors})  # new modules, the same tensors
+    for module in list(copied.modules()):
+        for name, child in list(module.named_children()):
+            if qualifies(child):
+                setattr(module, name, _OneDNNLinear(child))
+    return copied
 
 
 @dataclass
@@ -247,15 +296,25 @@ class CompiledDecoder:
     front and reports what it cost.
     """
 
-    def __init__(self, model: Transformer, config: CompileConfig | None = None) -> None:
+    def __init__(self, model: Transformer, config: CompileConfig | None = None, *,
+                 fused_attention: bool | None = None) -> None:
+        """``fused_attention``: None, our C++ kernel wherever it runs (a CPU in float32), else the opaque
+        :func:`paged_attend`; False asks for the operator anywhere (the GPU's path, tested on a CPU)."""
         self.config = config = config or CompileConfig()
         reason = compile_unavailable(model.device)
         if reason:
             raise ValueError(reason)
+        self.freeze = model.device.type == "cpu" and config.freeze
         self.model = unpack_linears(model)  # same weights; eager steps keep the packed linears
+        if self.freeze:
+            self.model = onednn_linears(self.model)
         options = _options(config, model.device)
         # on a CPU in float32, attention reads the paged cache in our C++ kernel (no gather, no mask, no SDPA call)
-        self.fused_attention = cpu_kernels.unavailable(model.device, model.dtype) is None
+        kernel_runs = cpu_kernels.unavailable(model.device, model.dtype) is None
+        if fused_attention and not kernel_runs:
+            raise ValueError(f"fused_attention needs enginelib's C++ kernels: "
+                             f"{cpu_kernels.unavailable(model.device, model.dtype)}")
+        self.fused_attention = kernel_runs if fused_attention is None else fused_attention
         if self.fused_attention:
             cpu_kernels.load()  # the traced step calls the operator itself: built and registered first
         forward = self._forward_fused if self.fused_attention else self._forward
@@ -267,12 +326,14 @@ class CompiledDecoder:
         self.cuda_graphs = model.device.type == "cuda" and bool(options.get("triton.cudagraphs"))
         # per bucket, once traced (CPU): its graph called directly, without dynamo's frame hook and guards
         self.direct: dict[int, Callable[[tuple[torch.Tensor, ...]], torch.Tensor]] = {}
-        self.freeze = model.device.type == "cpu" and config.freeze
         self.report: CompileReport | None = None
         self.calls: Counter[int] = Counter()  # steps run per bucket
 
-    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(token_ids, _OpaqueCache(), positions=positions)[0]
+    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, sizes: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cfg = self.model.cfg
+        mask = row_mask(positions, block_tables.shape[1] * k.shape[2], cfg.num_heads // cfg.num_kv_heads, k.dtype)
+        return self.model(token_ids, _OpaqueCache(slot_mapping, block_tables, mask, sizes, k, v), positions=positions)[0]
 
     def _forward_fused(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -296,15 +357,14 @@ class CompiledDecoder:
 
         Dynamo keeps compiled graphs per code object, so every decoder's buckets count against one recompile
         limit (8 by default): it is raised while tracing, when dynamo consults it. With ``freeze``, inductor's
-        freezing is on, its float32 linears packed for oneDNN: dynamo decides when it traces whether the
-        weights become constants of the graph or inputs passed on every call, so torch.compile's ``options``
-        (applied later, in inductor) come too late."""
+        freezing is on: dynamo decides when it traces whether the weights become constants of the graph or
+        inputs passed on every call, so torch.compile's ``options`` (applied later, in inductor) come too late."""
         if self.calls[size] > 1:
             return nullcontext()
         settings = ExitStack()
         settings.enter_context(torch._dynamo.config.patch({RECOMPILE_LIMIT: TRACING_RECOMPILE_LIMIT}))
         if self.freeze:
-            settings.enter_context(_frozen_linears_on_onednn(torch._inductor.config.patch(freezing=True)))
+            settings.enter_context(torch._inductor.config.patch(freezing=True))
         return settings
 
     def _run(self, size: int, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -348,21 +408,24 @@ class CompiledDecoder:
         token_ids, positions = batch.token_ids, batch.positions
         if pad:
             token_ids, positions = F.pad(token_ids, (0, pad)), F.pad(positions, (0, pad))
-        if self.fused_attention:
-            # checked once for the step's 30 attention calls, then padded: the graph's shapes are fixed
+        if self.fused_attention:  # checked once for the step's 30 attention calls (the kernel trusts them)
             check_tables(batch.block_tables, batch.context_lens, cache.num_blocks, cache.block_size)
-            rows, lens = batch.block_tables, batch.context_lens
-            if batch.num_tokens != batch.num_seqs:  # guesses to verify: a row per token, keys up to its own
-                rows = rows.repeat_interleave(torch.tensor(batch.query_lens, device=rows.device), dim=0)
-                lens = batch.positions + 1
-            tables = rows.new_zeros(size, self.table_width(cache))
-            tables[:batch.num_tokens, :rows.shape[1]] = rows
+        # a row per token (guesses to verify: each with its sequence's table, keys up to its own position),
+        # padded to the fixed width: the graph's shapes are fixed
+        rows, lens = batch.block_tables, batch.context_lens
+        if batch.num_tokens != batch.num_seqs:
+            rows = rows.repeat_interleave(torch.tensor(batch.query_lens, device=rows.device), dim=0)
+            lens = batch.positions + 1
+        tables = rows.new_zeros(size, self.table_width(cache))
+        tables[:batch.num_tokens, :rows.shape[1]] = rows
+        if self.fused_attention:
             logits = self._run(size, (token_ids, positions, tables, F.pad(lens, (0, pad)), cache.k, cache.v))
         else:
-            with bound(cache.bind(batch)):
-                if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs
-                    torch.compiler.cudagraph_mark_step_begin()
-                logits = self._run(size, (token_ids, positions))
+            sizes = torch.tensor([batch.num_tokens, rows.shape[1]])  # on the host: read with no wait on a GPU
+            if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = self._run(size, (token_ids, positions, F.pad(batch.slot_mapping, (0, pad)), tables, sizes,
+                                      cache.k, cache.v))
         # a CUDA graph's output lives in its memory pool, which the next replay reuses: keep a copy
         return logits[:batch.num_tokens].clone() if self.cuda_graphs else logits[:batch.num_tokens]
 

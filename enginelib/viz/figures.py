@@ -426,22 +426,21 @@ def plot_token_gaps(token_times: Mapping[str, Sequence[float]], ax: Axes | None 
     return fig
 
 
-def plot_budget_tradeoff(budgets: Sequence[int], ttft: Sequence[float], tpot_p99: Sequence[float],
+def plot_budget_tradeoff(budgets: Sequence[int], ttft: Sequence[float], itl_p99: Sequence[float],
                          ax: Axes | None = None, *, unchunked: tuple[float, float] | None = None,
                          title: str | None = None) -> Figure:
     """The token budget's trade-off: the long request's TTFT against the others' p99 inter-token gap.
 
     One point per budget (seconds in, milliseconds and seconds drawn), joined in
-    budget order and labelled; ``unchunked`` is the ``(ttft, tpot_p99)`` point of
-    the run without chunking. Lower left is better on both counts, and no
-    budget gets there: a smaller one keeps decodes steady but delays the long
-    prompt's first token.
+    budget order and labelled; ``unchunked`` is the ``(ttft, itl_p99)`` point of
+    the run without chunking. Lower left is better on both counts; where each
+    budget lands is what the run measured.
     """
-    if not budgets or not len(budgets) == len(ttft) == len(tpot_p99):
-        raise ValueError(f"give one ttft and one tpot_p99 per budget: got {len(budgets)} budgets, "
-                         f"{len(ttft)} ttft and {len(tpot_p99)} tpot_p99 values")
+    if not budgets or not len(budgets) == len(ttft) == len(itl_p99):
+        raise ValueError(f"give one ttft and one itl_p99 per budget: got {len(budgets)} budgets, "
+                         f"{len(ttft)} ttft and {len(itl_p99)} itl_p99 values")
     order = sorted(range(len(budgets)), key=lambda i: budgets[i])
-    xs, ys = [1e3 * tpot_p99[i] for i in order], [ttft[i] for i in order]
+    xs, ys = [1e3 * itl_p99[i] for i in order], [ttft[i] for i in order]
     fig, ax = _figure_and_axes(ax, figsize=(7, 4.2))
     ax.plot(xs, ys, marker="o", color=STATE_COLORS["decode"], label="chunked prefill, by token budget")
     for i, x, y in zip(order, xs, ys):

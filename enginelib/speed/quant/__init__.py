@@ -1,4 +1,4 @@
-"""Smaller weights, same model: int8 and int4 weight-only quantization, float16 and bfloat16 (chapter 11).
+"""Smaller weights, same model: int8 and int4 weight-only quantization, float16 and bfloat16 (chapter 12).
 
 A decode step reads every weight once per token, so on a CPU (and at batch 1 on
 a GPU) its time is mostly the time to stream the weights from memory. Storing
@@ -38,7 +38,8 @@ dequantizes them in vector registers and multiply-adds in float32. Its twin
 group, error about 0.5% per layer) and multiplies integers, 32 products per pair of
 AVX2 instructions, as llama.cpp does; ``auto`` weighs its error like fbgemm's.
 On CUDA the reference, ``native`` half matmuls and ``int8pack`` run (checked on
-an H200 with torch 2.11).
+an H200 with torch 2.11), and our ``triton`` kernel for int8 and int4
+(:mod:`enginelib.speed.triton_kernels`: the bytes dequantized in registers, where Triton is installed).
 
 The package, by job: :mod:`.formats` (the stored forms), :mod:`.kernels` (the kernels, the layer, choosing
 by measurement), :mod:`.convert` (:func:`quantize`, :func:`quant_info`), :mod:`.gguf` (:func:`load_quantized`).

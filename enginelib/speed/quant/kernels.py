@@ -33,6 +33,10 @@ class Kernel:
     back. ``exact``: the kernel computes the reference's product up to float
     rounding. fbgemm also rounds the *activations* to 8 bits, and ``native`` to
     the weight's half dtype, so they are not: ``auto`` checks those on every layer.
+    ``ready``: for a kernel built on this machine (our C++), build it now and say why that failed (None:
+    ready). :func:`kernel_unavailable` never calls it (asking must stay cheap); ``auto`` calls it for
+    the kernels it is about to time, and ``prepare`` builds too, so a kernel asked for by name raises
+    the build's error at once.
     """
 
     name: str
@@ -43,6 +47,7 @@ class Kernel:
     unprepare: Callable[[object], QuantizedWeight]
     exact: bool = True
     doc: str = ""
+    ready: Callable[[torch.device], str | None] | None = None
 
 
 def _same(qw: QuantizedWeight) -> QuantizedWeight:
@@ -160,6 +165,11 @@ def _cpp_run(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return _cpp_int8(x, qw) if qw.fmt == "int8" else _cpp_int4(x, qw)
 
 
+def _cpp_prepare(qw: QuantizedWeight) -> QuantizedWeight:
+    cpu_kernels.load()  # the first layer builds the kernels (a failed build raises with the compiler's words)
+    return qw
+
+
 @dataclass
 class _Interleaved:
     """A stored weight in the q8 kernels' layout (:func:`cpu_kernels.interleave`: rows in blocks of 4, read as one stream)."""
@@ -188,6 +198,24 @@ def _deinterleave(w: _Interleaved) -> QuantizedWeight:
                                      for t in (w.data, w.scale, w.minimum)))
 
 
+def _cpp_q8_prepare(qw: QuantizedWeight) -> _Interleaved:
+    cpu_kernels.load()
+    return _interleave(qw)
+
+
+def _triton_prepare(qw: QuantizedWeight) -> QuantizedWeight:
+    """The stored form as it is, each tensor contiguous (the Triton kernels read it in place)."""
+    return QuantizedWeight(qw.fmt, *(None if t is None else t.contiguous() for t in (qw.data, qw.scale, qw.minimum)))
+
+
+def _triton_run(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    from enginelib.speed import triton_kernels  # only where asked: importing Triton takes a while
+
+    if qw.fmt == "int8":
+        return triton_kernels.int8_linear(x, qw.data, qw.scale)
+    return triton_kernels.int4_linear(x, qw.data, qw.scale, qw.minimum)
+
+
 def _cpp_q8_run(x: torch.Tensor, w: _Interleaved) -> torch.Tensor:
     x32 = x.float().contiguous()
     if w.fmt in ("int8", "q8_0"):
@@ -206,11 +234,15 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            doc="fbgemm's dynamic int8 linear: activations rounded to int8 per row, integer GEMM"),
     Kernel("int4pack", ("int4",), ("cpu",), _int4pack_prepare, _int4pack_run, _int4pack_unprepare,
            doc="torch._weight_int4pack_mm_for_cpu: weight-only int4, groups of 32"),
-    Kernel("cpp", ("int8", "int4"), ("cpu",), _same, _cpp_run, _same,
-           doc="enginelib.speed.cpu_kernels: our C++ loop, codes dequantized in AVX2 registers, float32 accumulation"),
-    Kernel("cpp_q8", ("int8", "int4", "q8_0"), ("cpu",), _interleave, _cpp_q8_run, _deinterleave, exact=False,
+    Kernel("cpp", ("int8", "int4"), ("cpu",), _cpp_prepare, _cpp_run, _same,
+           doc="enginelib.speed.cpu_kernels: our C++ loop, codes dequantized in AVX2 registers, float32 accumulation",
+           ready=cpu_kernels.build_failure),
+    Kernel("cpp_q8", ("int8", "int4", "q8_0"), ("cpu",), _cpp_q8_prepare, _cpp_q8_run, _deinterleave, exact=False,
            doc="our C++ loop with activations rounded to int8 per group of 32 and integer products (llama.cpp's way), "
-               "weights interleaved in blocks of 4 rows"),
+               "weights interleaved in blocks of 4 rows", ready=cpu_kernels.build_failure),
+    Kernel("triton", ("int8", "int4"), ("cuda",), _triton_prepare, _triton_run, _same,
+           doc="enginelib.speed.triton_kernels: our Triton kernel, bytes dequantized in registers, tl.dot with "
+               "float32 accumulation"),
 )}
 
 
@@ -231,9 +263,19 @@ def kernel_unavailable(name: str, fmt: str, shape: tuple[int, int], device: torc
         return "torch._weight_int4pack_mm_for_cpu is missing, or the output size is not a multiple of 32"
     if name == "cpp_q8" and shape[1] % GROUP_SIZE:
         return f"kernel 'cpp_q8' rounds activations in groups of {GROUP_SIZE}: the input size {shape[1]} is not a multiple"
-    if name in ("cpp", "cpp_q8"):  # builds the kernels the first time it is asked (then cached on disk)
-        return cpu_kernels.build_failure(device)
+    if name in ("cpp", "cpp_q8"):  # only looks (the CPU, the tools): the build waits for Kernel.ready or prepare
+        return cpu_kernels.unavailable(device)
+    if name == "triton":
+        from enginelib.speed import triton_kernels  # imports Triton only if it is installed
+
+        return triton_kernels.unavailable(device)
     return None
+
+
+def _cannot_run(name: str, fmt: str, shape: tuple[int, int], device: torch.device) -> str | None:
+    """:func:`kernel_unavailable`, else the kernel's own build (``Kernel.ready``): for ``auto``, about to time it."""
+    ready = KERNELS[name].ready
+    return kernel_unavailable(name, fmt, shape, device) or (ready(device) if ready is not None else None)
 
 
 # ---------------------------------------------------------------- the layer
@@ -325,18 +367,32 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def measure_kernels(qw: QuantizedWeight, x: torch.Tensor) -> list[KernelTiming]:
+def measure_kernels(qw: QuantizedWeight, x: torch.Tensor, failed: dict[str, str] | None = None) -> list[KernelTiming]:
     """Time every kernel that can run ``qw`` on ``x``'s device, at M=1 (decode) and M=32 rows of ``x``,
-    and measure its error against the reference on all of ``x``."""
+    and measure its error against the reference on all of ``x``.
+
+    A kernel whose first run raises (a Triton kernel this GPU's compiler refuses, say) is left out with a
+    RuntimeWarning, and its error goes into ``failed`` (name -> why) when given: ``auto`` then runs without
+    it rather than not at all. The reference is never left out."""
     rows = []
     want = _reference(x, qw)
     for name, kernel in KERNELS.items():
-        if kernel_unavailable(name, qw.fmt, qw.shape, x.device):
+        if _cannot_run(name, qw.fmt, qw.shape, x.device):
             continue
         prepared = kernel.prepare(qw)
-        rows.append(KernelTiming(qw.fmt, qw.shape, name, _time_ms(lambda: kernel.run(x[:1], prepared), x.device),
-                                 _time_ms(lambda: kernel.run(x[:32], prepared), x.device),
-                                 relative_error(kernel.run(x, prepared), want)))
+        try:  # each row count may compile its own variant (Triton's tiles): all three are part of the try
+            error = relative_error(kernel.run(x, prepared), want)
+            row = KernelTiming(qw.fmt, qw.shape, name, _time_ms(lambda: kernel.run(x[:1], prepared), x.device),
+                               _time_ms(lambda: kernel.run(x[:32], prepared), x.device), error)
+        except Exception as exc:  # noqa: BLE001 - any failure of a candidate: auto goes on without it
+            if name == "reference":
+                raise
+            why = f"it failed on {qw.fmt} {list(qw.shape)}: {type(exc).__name__}: {str(exc).strip()[:300]}"
+            warnings.warn(f"kernel {name!r} left out: {why}", RuntimeWarning, stacklevel=2)
+            if failed is not None:
+                failed[name] = why
+            continue
+        rows.append(row)
     return rows
 
 
@@ -374,10 +430,12 @@ def choose_kernels(kernel: str, weights: dict[str, QuantizedWeight], inputs: dic
                 raise ValueError(f"{reason}: use kernel='auto' or 'reference'")
         return {weight_key(qw): KernelChoice(kernel, kernel) for qw in weights.values()}
     rows: dict[WeightKey, list[KernelTiming]] = {}
+    failed: dict[WeightKey, dict[str, str]] = {}
     for path, qw in weights.items():
         key, x = weight_key(qw), inputs[path]
         if key not in rows:
-            rows[key] = measure_kernels(qw, x)
+            failed[key] = {}
+            rows[key] = measure_kernels(qw, x, failed[key])
             continue
         inexact = [row for row in rows[key] if not KERNELS[row.kernel].exact]
         want = _reference(x, qw) if inexact else None
@@ -387,6 +445,6 @@ def choose_kernels(kernel: str, weights: dict[str, QuantizedWeight], inputs: dic
     choices = {}
     for key, candidates in rows.items():
         skipped = {name: reason for name, k in KERNELS.items() if key[0] in k.formats and device.type in k.devices
-                   and (reason := kernel_unavailable(name, *key, device))}
+                   and (reason := _cannot_run(name, *key, device))} | failed[key]
         choices[key] = KernelChoice(choose(candidates, tolerance).kernel, "auto", tuple(candidates), skipped)
     return choices

@@ -1,0 +1,237 @@
+"""The OpenAI fields people use (issue 26): ``logprobs``/``top_logprobs``, ``n``, a list of prompts; and the
+waiting-queue limit and a failing proposer.
+
+The ASGI app runs in process over the real model (as in test_serve_door.py); logprobs are checked against
+``torch.log_softmax`` of the model's own logits, recomputed here without the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from enginelib import LLM, SamplingParams
+from enginelib.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from enginelib.core.engine import Engine
+from enginelib.serve.app import build_app
+from enginelib.serve.async_engine import AsyncEngine, EngineOverloaded
+
+from .test_serve_door import _idle, call
+
+MODEL = "smollm2-135m"
+CHAT = [{"role": "user", "content": "Name a colour."}]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def served(real):
+    engine = AsyncEngine(Engine(*real, EngineConfig(num_blocks=256)), max_waiting=None)
+    yield engine, build_app(engine, MODEL)
+    engine.shutdown()
+
+
+def post(app, path: str, **body) -> tuple[int, dict | list[dict]]:
+    """POST ``body`` (plus the model); a stream comes back as its list of JSON events, [DONE] left out."""
+    answer = call(app, "POST", f"/v1{path}", body=json.dumps({"model": MODEL} | body).encode())
+    if not body.get("stream") or answer.status_code != 200:
+        return answer.status_code, answer.json()
+    events = [line.removeprefix("data: ") for line in answer.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return answer.status_code, [json.loads(e) for e in events[:-1]]
+
+
+def greedy_reference(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and each position's log-probabilities, from whole forward passes with no cache."""
+    ids, rows = list(prompt_ids), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids], device=model.device))[0, -1].float()
+            rows.append(torch.log_softmax(logits, dim=-1).cpu())
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):], rows
+
+
+# --- logprobs ------------------------------------------------------------------------------------
+
+def test_completion_logprobs_are_the_models_log_softmax(served, real):
+    model, tokenizer = real
+    status, answer = post(served[1], "/completions", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                          ignore_eos=True)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    lp = choice["logprobs"]
+    ids, rows = greedy_reference(model, tokenizer.encode(PROMPT), 6)
+    tol = 1e-4 if model.dtype == torch.float32 else 2e-2
+    assert lp["tokens"] == [tokenizer.token(t) for t in ids] and "".join(lp["tokens"]) == choice["text"]
+    for i, (token, row) in enumerate(zip(ids, rows)):
+        assert lp["token_logprobs"][i] == pytest.approx(row[token].item(), abs=tol)
+        top = row.topk(3)
+        want = {tokenizer.token(int(t)): v.item() for v, t in zip(top.values, top.indices)}
+        assert list(lp["top_logprobs"][i]) == list(want)  # best first, the greedy token among them
+        assert list(lp["top_logprobs"][i].values()) == pytest.approx(list(want.values()), abs=tol)
+        assert lp["token_logprobs"][i] == max(lp["top_logprobs"][i].values())  # greedy: the best one
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(6)]
+    no_logprobs = post(served[1], "/completions", prompt=PROMPT, max_tokens=6, temperature=0, ignore_eos=True)[1]
+    assert no_logprobs["choices"][0]["logprobs"] is None and no_logprobs["choices"][0]["text"] == choice["text"]
+
+
+def test_chat_logprobs_shape_plain_and_streamed(served):
+    app = served[1]
+    status, answer = post(app, "/chat/completions", messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                          top_logprobs=2)
+    assert status == 200, answer
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == answer["usage"]["completion_tokens"]
+    assert "".join(c["token"] for c in content) == answer["choices"][0]["message"]["content"]
+    for c in content:
+        assert set(c) == {"token", "logprob", "bytes", "top_logprobs"} and c["bytes"] == list(c["token"].encode())
+        assert len(c["top_logprobs"]) == 2 and all(set(t) == {"token", "logprob", "bytes"} for t in c["top_logprobs"])
+        assert c["top_logprobs"][0]["logprob"] >= c["top_logprobs"][1]["logprob"]
+        assert c["top_logprobs"][0]["token"] == c["token"] and c["top_logprobs"][0]["logprob"] == c["logprob"]
+    status, events = post(app, "/chat/completions", messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                          top_logprobs=2, stream=True)
+    streamed = [c for e in events for ch in e["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]]
+    assert [c["token"] for c in streamed] == [c["token"] for c in content]
+    assert [c["logprob"] for c in streamed] == pytest.approx([c["logprob"] for c in content], abs=1e-4)
+    without = post(app, "/chat/completions", messages=CHAT, max_tokens=5, temperature=0, logprobs=False)[1]
+    assert without["choices"][0]["logprobs"] is None
+
+
+def test_logprobs_with_sampling_and_through_llm(real):
+    """Sampled tokens get the raw model's logprobs too; offline outputs carry one entry per token."""
+    llm = LLM.from_model(*real, num_blocks=64)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.8, seed=3, max_tokens=5, logprobs=1,
+                                                ignore_eos=True))[0].outputs[0]
+    assert [e.token_id for e in out.logprobs] == out.token_ids and all(len(e.top) == 1 for e in out.logprobs)
+    assert all(e.logprob <= e.top[0][1] <= 0 for e in out.logprobs)
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=2))[0].outputs[0].logprobs is None
+
+
+def test_logprobs_values_are_checked():
+    for bad in (-1, 21, True, 2.0):
+        with pytest.raises(ValueError, match="logprobs must be an integer from 0 to 20"):
+            SamplingParams(logprobs=bad)
+
+
+def test_verified_runs_get_the_same_logprobs(real):
+    """With speculation a step emits a verified run: each of its tokens gets the logprobs of its own row,
+    the same as one token a step gives (greedy, so the tokens are the same too)."""
+    prompt = "one two three four one two three four one two three four one two"
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    plain = LLM.from_model(*real, num_blocks=64).generate([prompt], params)[0].outputs[0]
+    spec_llm = LLM.from_model(*real, num_blocks=64,
+                              speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    spec = spec_llm.generate([prompt], params)[0].outputs[0]
+    assert spec_llm.engine.runner.spec_stats.accepted > 0, "no guess was kept: nothing was verified in runs"
+    tol = 1e-4 if real[0].dtype == torch.float32 else 2e-2
+    assert [e.token_id for e in spec.logprobs] == spec.token_ids == plain.token_ids
+    assert [e.logprob for e in spec.logprobs] == pytest.approx([e.logprob for e in plain.logprobs], abs=tol)
+    assert [[t for t, _ in e.top] for e in spec.logprobs] == [[t for t, _ in e.top] for e in plain.logprobs]
+
+
+# --- n and lists of prompts ----------------------------------------------------------------------
+
+def texts(answer: dict) -> list[str]:
+    return [c["text"] for c in answer["choices"]]
+
+
+def test_n_choices_are_seeded_and_reproducible(served, real):
+    engine, app = served
+    sampled = {"temperature": 0.9, "top_k": 50, "seed": 7, "max_tokens": 8, "ignore_eos": True}
+    hits = engine.stats.prefix_cache.hit_tokens
+    long = PROMPT + " a city that many people visit every year, and its museums are famous" * 2
+    status, answer = post(app, "/completions", prompt=long, n=3, **sampled)
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2] and len(set(texts(answer))) > 1
+    assert engine.stats.prefix_cache.hit_tokens - hits >= 2 * 16, "the children did not share the prompt's blocks"
+    assert texts(post(app, "/completions", prompt=long, n=3, **sampled)[1]) == texts(answer)
+    for j in range(3):  # choice j is the request with seed + j
+        alone = post(app, "/completions", prompt=long, **(sampled | {"seed": 7 + j}))[1]
+        assert texts(alone) == [texts(answer)[j]]
+    prompt_tokens = len(real[1].encode(long))
+    assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 24,
+                               "total_tokens": prompt_tokens + 24}
+    greedy = post(app, "/chat/completions", messages=CHAT, n=2, max_tokens=6, temperature=0)[1]
+    assert [c["index"] for c in greedy["choices"]] == [0, 1]
+    assert greedy["choices"][0]["message"] == greedy["choices"][1]["message"]
+
+
+def test_n_streamed_chunks_name_their_choice(served):
+    app = served[1]
+    body = {"messages": CHAT, "n": 2, "seed": 11, "temperature": 1.0, "max_tokens": 6, "ignore_eos": True}
+    whole = post(app, "/chat/completions", **body)[1]
+    status, events = post(app, "/chat/completions", stream=True, stream_options={"include_usage": True}, **body)
+    assert status == 200
+    parts: dict[int, list[str]] = {0: [], 1: []}
+    finished = []
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        parts[choice["index"]].append(choice["delta"].get("content") or "")
+        if choice["finish_reason"]:
+            finished.append(choice["index"])
+    assert sorted(finished) == [0, 1]
+    assert ["".join(parts[i]) for i in (0, 1)] == [c["message"]["content"] for c in whole["choices"]]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+
+
+def test_a_list_of_prompts_gets_a_choice_per_prompt_and_sample(served, real):
+    app, tokenizer = served[1], real[1]
+    prompts = ["The sea is", "Once upon a time"]
+    sampled = {"temperature": 0.8, "seed": 5, "max_tokens": 5, "ignore_eos": True}
+    status, answer = post(app, "/completions", prompt=prompts, n=2, **sampled)
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        for j in range(2):  # choice i * n + j
+            alone = post(app, "/completions", prompt=prompt, **(sampled | {"seed": 5 + j}))[1]
+            assert texts(alone) == [texts(answer)[i * 2 + j]]
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
+    assert answer["usage"]["prompt_tokens"] == prompt_tokens and answer["usage"]["completion_tokens"] == 20
+    as_ids = post(app, "/completions", prompt=[tokenizer.encode(p) for p in prompts], n=2, **sampled)[1]
+    assert texts(as_ids) == texts(answer)
+
+
+BAD = {  # case: (path, body, the param the 400 names, words in its message)
+    "n too large": ("/chat/completions", {"messages": CHAT, "n": 17}, "n", "n=17"),
+    "n zero": ("/completions", {"prompt": "Hi", "n": 0}, "n", "n=0"),
+    "top_logprobs without logprobs": ("/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs",
+                                      "logprobs: true"),
+    "top_logprobs too many": ("/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+                              "top_logprobs", "0 to 20"),
+    "logprobs too many": ("/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs", "0 to 20"),
+    "logprobs a bool in completions": ("/completions", {"prompt": "Hi", "logprobs": True}, "logprobs", "integer"),
+    "too many prompts": ("/completions", {"prompt": ["Hi"] * 65}, "prompt", "at most 64"),
+    "an empty prompt in a list": ("/completions", {"prompt": ["Hi", ""]}, "prompt", "prompt 1"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_values_get_a_400_naming_the_field(served, case):
+    engine, app = served
+    path, body, param, words = BAD[case]
+    status, answer = post(app, path, max_tokens=2, **body)
+    assert status == 400 and answer["error"]["param"] == param and words in answer["error"]["message"], answer
+    assert _idle(engine), engine.stats  # nothing was left queued
+
+
+# --- the waiting queue, and a failing proposer ---------------------------------------------------
+
+def test_a_burst_into_free_seats_is_not_refused(real):
+    """max_waiting counts only the requests no free seat takes: a burst of max_num_seqs goes in whole."""
+    config = EngineConfig(num_blocks=128, scheduler=SchedulerConfig(max_num_seqs=4))
+    engine = AsyncEngine(Engine(*real, config), max_waiting=1)
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def main():
+        streams = await asyncio.gather(*(engine.add_request(f"Burst {i}:", long) for i in range(5)))  # 4 seats + 1
+        with pytest.raises(EngineOverloaded, match="beyond the free seats"):
+            await engine.add_request("One too many:", long)
+        for stream in streams:
+            stream.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
