@@ -35,7 +35,7 @@ if os.environ.get("CI"):
 # `slow`: the real model, a server, a compiler, a browser or a notebook. `pytest -m "not slow"` is the
 # developer's quick answer (the tiny model, pure logic); plain `pytest` runs everything.
 SLOW_FIXTURES = {"real", "server", "site", "browser"}
-SLOW_MODULES = {"test_bench", "test_compiled", "test_cpu_kernels", "test_llama_cpp_peer", "test_site"}
+SLOW_MODULES = {"test_bench", "test_compiled", "test_cpu_kernels", "test_engine_core", "test_llama_cpp_peer", "test_site"}
 
 
 def pytest_configure(config):

@@ -34,7 +34,7 @@ SCHEMA = [  # the core: every run has these
 ]
 SECTION_SCHEMA = {  # the slow sections (--sections): checked where the run has them
     "serve": ["serve.throughput_ratio", "serve.server_tok_per_s", "serve.offline_tok_per_s", "serve.concurrency",
-              "serve.ttft_p50", "serve.ttft_p99", "serve.tpot_p50", "serve.tpot_p99"],
+              "serve.ttft_p50", "serve.ttft_p99", "serve.tpot_p50", "serve.tpot_p99", "serve.ttft_overhead_ms"],
     "spec_decode": [
         "spec_decode.speedup_b1", "spec_decode.acceptance", "spec_decode.mean_accepted_length", "spec_decode.k",
         "spec_decode.tok_per_s", "spec_decode.tok_per_s_plain", "spec_decode.texts_equal", "spec_decode.draft",
@@ -102,6 +102,8 @@ def check_serve(serve: dict) -> None:
     assert serve["concurrency"] == 32 and serve["requests"] == 16 and "failed" not in serve["note"], serve["note"]
     assert serve["throughput_ratio"] == pytest.approx(serve["server_tok_per_s"] / serve["offline_tok_per_s"])
     assert 0 < serve["ttft_p50"] <= serve["ttft_p99"] and 0 < serve["tpot_p50"] <= serve["tpot_p99"]
+    assert 0 < serve["ttft_alone_p50"] < serve["ttft_p50"]  # alone, no queue: sooner than under 32 streams
+    assert serve["ttft_overhead_ms"] < 1000 * serve["ttft_alone_p50"]
     assert serve["texts_equal"] > 0.5, "greedy: the server says what the offline engine says (near-ties aside)"
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,12 +12,28 @@ from enginelib.bench.endpoint import run_endpoint, served_model_name
 from enginelib.bench.results import nearest_rank, same_texts
 from enginelib.bench.systems import run_engine
 from enginelib.bench.workloads import BenchRequest, Workload, chat_prompt
-from enginelib.config import EngineConfig
+from enginelib.config import EngineConfig, SamplingParams
+from enginelib.core.engine import Engine
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 
+ALONE = 8  # requests sent one at a time for the server's TTFT overhead
+
 if TYPE_CHECKING:
     from enginelib.serve import ServerProcess  # imported when used: the server stack is not needed offline
+
+
+def _ttfts_one_at_a_time(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[float]:
+    """Each request alone in one warm engine, which has seen each once before (a fresh engine would time its
+    first touch of the KV pool; the server has served these prompts already, so its prefix cache holds them)."""
+    ttfts = []
+    for ids, params in [*requests, *requests]:
+        engine.add_request(ids, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    ttfts.append(out.metrics.time_to_first_token)
+    return ttfts[len(requests):]
 
 
 def serve_args(args: argparse.Namespace, device: torch.device, threads: int, config: EngineConfig,
@@ -42,6 +59,13 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
     server (a started :class:`~enginelib.serve.app.ServerProcess`, flags from
     :func:`serve_args`) runs in a child process, so on a small CPU the client
     competes with it for cores; that is part of what is measured.
+
+    ``ttft_overhead_ms`` is what the server adds to one request's time to first
+    token (HTTP, JSON, tokenization, the hop to the engine core and back, SSE):
+    the median over :data:`ALONE` short requests sent one at a time, minus the
+    same requests' median alone in the offline engine. Under load, TTFT also
+    holds the queueing that the arrivals' spread causes (the offline engine has
+    every request before its first step), so it cannot say what serving costs.
     """
     from enginelib.serve.loadgen import run_load_sync  # imported when used: it pulls in the openai client
 
@@ -54,9 +78,14 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
     name = served_model_name(server.url)
     run_load_sync(server.url, name, [warm.requests[0].prompt_ids], 4, concurrency=1)
     served = run_endpoint(server.url, name, tok, flat, concurrency, name="server")
+    alone = [dataclasses.replace(r, max_tokens=2) for r in flat.requests[:ALONE]]
+    served_alone = run_load_sync(server.url, name, [r.prompt_ids for r in alone], 2, concurrency=1).ttft  # from send
+    offline_alone = _ttfts_one_at_a_time(Engine(model, tok, same), [(r.prompt_ids, flat.params(r)) for r in alone])
+    overhead = statistics.median(served_alone) - statistics.median(offline_alone)
     return {"throughput_ratio": served.tok_per_s / offline.tok_per_s, "server_tok_per_s": served.tok_per_s,
             "offline_tok_per_s": offline.tok_per_s, "concurrency": concurrency, "requests": len(flat.requests),
             "ttft_p50": nearest_rank(served.ttft, 50), "ttft_p99": nearest_rank(served.ttft, 99),
             "tpot_p50": nearest_rank(served.tpot, 50), "tpot_p99": nearest_rank(served.tpot, 99),
             "offline_ttft_p50": nearest_rank(offline.ttft, 50), "offline_tpot_p50": nearest_rank(offline.tpot, 50),
+            "ttft_overhead_ms": 1000 * overhead, "ttft_alone_p50": statistics.median(served_alone),
             "texts_equal": same_texts(served, offline), "note": served.note}

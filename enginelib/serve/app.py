@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -45,7 +46,9 @@ from enginelib.serve.guard import Guard, error_object, is_loopback
 from enginelib.serve.metrics import ServerMetrics
 
 if TYPE_CHECKING:
+    from enginelib.core.engine import Engine
     from enginelib.model.transformer import Transformer
+    from enginelib.serve.engine_core import EngineCoreClient
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt this model's context can hold
 DEFAULT_MAX_WAITING = 256
@@ -133,8 +136,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
     app = FastAPI(title="enginelib", description="An OpenAI-compatible server over enginelib's engine.")
     app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only)
     metrics = ServerMetrics(engine)
-    context = engine.engine.model.cfg.context_length
-    tokenizer = engine.engine.tokenizer
+    context, tokenizer = engine.context_length, engine.tokenizer
     created = int(time.time())
     app.state.engine, app.state.metrics = engine, metrics
 
@@ -206,7 +208,11 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
         if not 1 <= n <= MAX_N:
             raise ApiError(400, f"n={_echo(n)}: this server samples 1 to {MAX_N} choices per prompt", "n")
         logprobs = _logprobs_asked(body)
-        params = [_sampling_params(body, prompt, tokenizer, context, logprobs) for prompt in prompts]
+        _refuse_unsupported(body)
+        # Tokenized once, here in the server's process: the engine gets token ids, and never sees a prompt that
+        # the engine's own checks (in add_request, before anything is queued) refuse.
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        params = [_sampling_params(body, prompt, context, logprobs) for prompt in prompts]
         request_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:  # all the choices or none: one refused closes (aborts) those already queued
@@ -315,14 +321,11 @@ def _logprobs_asked(body: _Body) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def _sampling_params(body: _Body, prompt: str | list[int], tokenizer, context: int,
-                     logprobs: int | None = None) -> SamplingParams:
-    """The request's sampling fields as SamplingParams; what we do not support is refused by name."""
-    _refuse_unsupported(body)
+def _sampling_params(body: _Body, prompt: list[int], context: int, logprobs: int | None = None) -> SamplingParams:
+    """The request's sampling fields as SamplingParams (a bad value: a 400 naming it)."""
     max_tokens = body.max_tokens
     if max_tokens is None:  # as vLLM does: whatever the context leaves after the prompt
-        num_prompt = len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
-        max_tokens = max(1, context - num_prompt)
+        max_tokens = max(1, context - len(prompt))
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               max_tokens=max_tokens, stop=[] if body.stop is None else body.stop,
@@ -540,6 +543,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the engine loop")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in its own process, as vLLM V1 does (default); --no-engine-process "
+                        "runs it in a thread of the server's process, sharing its interpreter lock")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from memory)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests in the running batch at most")
@@ -611,7 +617,8 @@ def load_draft(model: str, device: str | None) -> Transformer:
         raise ValueError(f"--speculative-config's draft model {model!r}: {e}") from e
 
 
-def make_engine(args: argparse.Namespace) -> AsyncEngine:
+def build_engine(args: argparse.Namespace) -> Engine:
+    """The :class:`Engine` the flags describe (run in the engine-core process when there is one)."""
     import torch
 
     from enginelib.core.engine import Engine
@@ -622,7 +629,17 @@ def make_engine(args: argparse.Namespace) -> AsyncEngine:
     config = engine_config(args)  # first: a bad flag fails before the model loads
     model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, progress=False)
     torch.set_grad_enabled(False)
-    return AsyncEngine(Engine(model, tokenizer, config), max_waiting=args.max_waiting, threads=args.threads)
+    return Engine(model, tokenizer, config)
+
+
+def make_engine(args: argparse.Namespace) -> AsyncEngine | EngineCoreClient:
+    """The engine behind the app: in its own process (``--engine-process``, the default), or a thread of ours."""
+    if args.engine_process:
+        from enginelib.serve.engine_core import EngineCoreClient
+
+        return EngineCoreClient(functools.partial(build_engine, args), max_waiting=args.max_waiting,
+                                threads=args.threads)
+    return AsyncEngine(build_engine(args), max_waiting=args.max_waiting, threads=args.threads)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,12 +22,16 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from enginelib.config import SamplingParams, stop_hold_back
+from enginelib.config import SamplingParams, as_token_ids, check_request, stop_hold_back
 from enginelib.core.engine import Engine, EngineStats
 from enginelib.core.outputs import DeltaCursor, RequestOutput, StreamDelta
+from enginelib.core.scheduler import Scheduler
 from enginelib.model.device import set_threads
+
+if TYPE_CHECKING:
+    from enginelib.serve.engine_core import EngineCoreClient
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,7 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    cursor: DeltaCursor
+    cursor: DeltaCursor | None = None  # where the deltas are made here (not in an engine-core process)
 
 
 class AsyncEngine:
@@ -71,6 +75,8 @@ class AsyncEngine:
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 (or None for no limit), got {max_waiting}")
         self.engine, self.max_waiting, self._threads = engine, max_waiting, threads
+        self.tokenizer = engine.tokenizer
+        self.context_length, self.vocab_size = engine.model.cfg.context_length, engine.model.cfg.vocab_size
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # only the loop thread reads or writes this
         self._stopping = False
@@ -85,12 +91,14 @@ class AsyncEngine:
                           request_id: str | None = None) -> RequestStream:
         """Queue a request; its deltas come from the returned stream.
 
-        Bad input raises ``ValueError`` here, before anything is queued, so a
-        server can answer 400 before it starts a streamed response.
+        The prompt is tokenized and checked here, in the caller's thread, not in
+        the engine loop's: bad input raises ``ValueError`` before anything is
+        queued, so a server can answer 400 before it starts a streamed response.
         """
         params = SamplingParams() if params is None else params
+        ids = checked_prompt(self, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), DeltaCursor())
-        request_id = await self._call(self._add, prompt, params, request_id, stream)
+        request_id = await self._call(self._add, ids, params, request_id, stream)
         return RequestStream(self, request_id, stream.queue)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -138,18 +146,17 @@ class AsyncEngine:
 
     # --- the loop thread -------------------------------------------------------------------
 
-    def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None, stream: _Stream) -> str:
-        scheduler = self.engine.scheduler
-        # Only the requests that no free seat will take at the next step count: a burst of commands lands in
-        # the waiting queue before the loop steps, and those that fill free seats are not waiting for anyone.
-        queued = len(scheduler.waiting) - max(0, scheduler.config.max_num_seqs - len(scheduler.running))
-        if self.max_waiting is not None and queued >= self.max_waiting:
-            raise EngineOverloaded(f"{queued} requests are already waiting beyond the free seats (the limit is "
-                                   f"{self.max_waiting}): retry later")
+    def _add(self, prompt: list[int], params: SamplingParams, request_id: str | None, stream: _Stream) -> str:
+        if (why := overloaded(self.engine.scheduler, self.max_waiting)) is not None:
+            raise EngineOverloaded(why)
         request_id = self.engine.add_request(prompt, params, request_id)
         stream.cursor.hold_back = stop_hold_back(params)
         self._streams[request_id] = stream
         return request_id
+
+    def _close(self, request_id: str) -> None:
+        """A stream closed before its end (its client left): abort it at the loop's next turn, answer unread."""
+        self._submit(self._abort, request_id)
 
     def _abort(self, request_id: str) -> bool:
         if self._streams.pop(request_id, None) is None:
@@ -242,7 +249,25 @@ class RequestStream:
         """Abort the request unless it finished; safe to call twice."""
         if not self.finished:
             self.finished = True
-            self.engine._submit(self.engine._abort, self.request_id)
+            self.engine._close(self.request_id)
+
+
+def checked_prompt(engine: AsyncEngine | EngineCoreClient, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    """The prompt's token ids, checked against the model (length, vocabulary) and ``params``: ``ValueError``
+    if the engine would refuse it, before it costs the engine anything."""
+    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
+    check_request(ids, params, engine.vocab_size, engine.context_length)
+    return ids
+
+
+def overloaded(scheduler: Scheduler, max_waiting: int | None) -> str | None:
+    """Why a new request is turned away (None: it is taken). Only the requests that no free seat will take at
+    the next step count: a burst of commands lands in the waiting queue before the loop steps, and those that
+    fill free seats are not waiting for anyone."""
+    queued = len(scheduler.waiting) - max(0, scheduler.config.max_num_seqs - len(scheduler.running))
+    if max_waiting is None or queued < max_waiting:
+        return None
+    return f"{queued} requests are already waiting beyond the free seats (the limit is {max_waiting}): retry later"
 
 
 def _put_all(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:

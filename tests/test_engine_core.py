@@ -1,0 +1,102 @@
+"""The engine core in its own process (``EngineCoreClient``): the same answers as the offline engine, refused
+prompts that never reach the core, aborts that free every block, and a dead core that every caller hears of."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+
+import pytest
+
+from enginelib import LLM, SamplingParams
+from enginelib.serve.app import build_engine, parse_args
+from enginelib.serve.async_engine import EngineDead, EngineOverloaded
+from enginelib.serve.engine_core import EngineCoreClient
+
+PROMPTS = ["The capital of France is", "Water boils at", "My favourite colour is", "Once upon a time"]
+
+
+def _core(*flags: str, max_waiting: int | None = None) -> EngineCoreClient:
+    return EngineCoreClient(functools.partial(build_engine, parse_args(["--threads", "1", *flags])),
+                            max_waiting=max_waiting, threads=1)
+
+
+@pytest.fixture(scope="module")
+def core():
+    """Two seats, two waiting places beyond them: the queue limit is easy to reach."""
+    client = _core("--num-blocks", "64", "--max-num-seqs", "2", max_waiting=2)
+    yield client
+    client.shutdown()
+    assert not client.process.is_alive()
+
+
+async def _text(core: EngineCoreClient, prompt: str, params: SamplingParams) -> str:
+    return "".join([d.text async for d in core.generate(prompt, params)])
+
+
+def _idle(core: EngineCoreClient) -> None:
+    deadline = time.monotonic() + 30
+    while (core.stats.pool.used or core.stats.running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert core.stats.pool.used == 0 and core.stats.running == 0
+
+
+def test_streams_equal_offline(core, real):
+    params = SamplingParams(temperature=0, max_tokens=12, stop=[" the"])
+
+    async def main():
+        return await asyncio.gather(*(_text(core, p, params) for p in PROMPTS))
+    assert asyncio.run(main()) == [o.outputs[0].text for o in LLM.from_model(*real).generate(PROMPTS, params)]
+    _idle(core)
+
+
+def test_a_refused_prompt_never_reaches_the_core(core, monkeypatch):
+    sent = []
+    monkeypatch.setattr(core, "_send", sent.append)
+
+    async def main():
+        with pytest.raises(ValueError, match="context"):
+            await core.add_request("word " * 9000, SamplingParams(max_tokens=4))
+        with pytest.raises(ValueError, match="vocabulary"):
+            await core.add_request([10**9], SamplingParams(max_tokens=4))
+    asyncio.run(main())
+    assert sent == []
+
+
+def test_abort_and_the_queue_limit_across_processes(core):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        running = [await core.add_request(p, long) for p in PROMPTS[:2]]
+        for stream in running:
+            await stream.__anext__()                          # admitted: the two seats are taken
+        waiting = [await core.add_request(p, long) for p in PROMPTS[2:]]
+        with pytest.raises(EngineOverloaded, match="retry later"):
+            await core.add_request(PROMPTS[0], long)
+        running[0].close()                                    # its client left: its seat goes to a waiting one
+        delta = await asyncio.wait_for(waiting[0].__anext__(), 60)
+        assert delta.text or delta.token_ids
+        for stream in (running[1], *waiting):
+            assert await core.abort(stream.request_id) is True
+        assert await core.abort(waiting[0].request_id) is False   # gone already
+    asyncio.run(main())
+    _idle(core)
+
+
+def test_a_dead_core_fails_every_caller():
+    core = _core("--num-blocks", "16")
+
+    async def main():
+        stream = await core.add_request(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        core.process.kill()                                   # what an out-of-memory kill does
+        with pytest.raises(EngineDead, match="exited with code -9"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDead):
+            await core.add_request(PROMPTS[0])
+    try:
+        asyncio.run(main())
+        assert not core.is_running
+    finally:
+        core.shutdown()
