@@ -46,6 +46,9 @@ class SamplingParams:
     ``logprobs`` (0..20, None: off) reports each generated token's log-probability
     and the ``logprobs`` most likely tokens at its position, from the model's raw
     logits (before temperature, top-k and top-p: vLLM's default ``raw_logprobs``).
+    ``n`` samples per prompt: ``LLM.generate`` runs them as ``n`` requests (sample
+    ``j`` seeded ``seed + j``) sharing the prompt's blocks, one output with ``n``
+    completions; the ``Engine`` itself takes one sample per request.
     """
 
     temperature: float = 1.0
@@ -58,6 +61,7 @@ class SamplingParams:
     seed: int | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +100,8 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens to report "
                              f"per position), or None for none; got {self.logprobs!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be a positive integer, got {self.n!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -148,6 +154,9 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: the engine runs one sample per request; LLM.generate (or a server) runs n "
+                         "samples as n requests, seeded seed + j")
     if len(prompt_ids) + params.max_tokens > context_length:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                          f"model's context of {context_length} tokens: shorten the prompt or lower max_tokens")

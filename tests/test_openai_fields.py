@@ -235,3 +235,20 @@ def test_a_burst_into_free_seats_is_not_refused(real):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_offline_n_is_n_seeded_requests_in_one_output(real):
+    """``SamplingParams(n=3)`` through ``LLM.generate``: one output per prompt, completion j equal to a request of
+    its own seeded seed + j; the engine itself refuses n > 1 with where to go instead; no block is left held."""
+    llm = LLM.from_model(*real, max_num_seqs=8)
+    sampled = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=6)
+    outs = llm.generate([PROMPT, "Once upon a time"], [sampled, SamplingParams(max_tokens=4, temperature=0)])
+    assert [len(o.outputs) for o in outs] == [3, 1] and [c.index for c in outs[0].outputs] == [0, 1, 2]
+    alone = [llm.generate(PROMPT, SamplingParams(temperature=0.8, seed=7 + j, max_tokens=6))[0].outputs[0]
+             for j in range(3)]
+    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in alone]
+    with pytest.raises(ValueError, match="one sample per request"):
+        llm.engine.add_request(PROMPT, SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n \\(samples per prompt\\)"):
+        SamplingParams(n=0)
+    assert llm.engine.pool.stats().used == 0

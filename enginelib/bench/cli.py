@@ -30,7 +30,7 @@ from enginelib.bench.report import print_summary, print_table, progress, through
 from enginelib.bench.results import SystemResult, check_same_tokens, same_texts
 from enginelib.bench.roofline import decode_step_time, engine_decode_step_time, roofline_figures
 from enginelib.bench.scheduling import chunked_prefill_effect, prefix_cache_effect
-from enginelib.bench.serving import serve_args, serve_effect
+from enginelib.bench.serving import refused_flood_effect, serve_args, serve_effect
 from enginelib.bench.spec_decode import spec_decode_effect
 from enginelib.bench.systems import SYSTEMS, run_engine, run_one_at_a_time, run_static
 from enginelib.bench.workloads import WORKLOADS, BenchRequest, Workload, chat_prompt, make_workload
@@ -251,6 +251,7 @@ def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, .
         with progress("serve"):
             wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
             report["serve"] = serve_effect(server, model, tok, wl0, config, args.concurrency)
+            report["serve"]["refused_flood"] = refused_flood_effect(16 if args.quick else 48)
         if args.no_pack:
             report["serve"]["note"] += "; the server packs its linears (serve has no --no-pack)"
     report["ratios"]["single_stream_vs_hf"] = report.pop("single_stream_vs_hf")

@@ -97,6 +97,9 @@ def print_summary(report: dict) -> None:
               f"{_fmt(s['ttft_p99'], 1e3, 0)} ms; TPOT p50 "
               f"{_fmt(s['tpot_p50'], 1e3, 0)} ms, p99 {_fmt(s['tpot_p99'], 1e3, 0)} ms; "
               f"{_fmt(s['texts_equal'], 100, 0)}% of texts equal the offline engine's")
+        if (flood := s.get("refused_flood")) is not None:
+            print(f"serve: a live stream beside {flood['refused_per_s']:.0f} refused prompts/s runs at "
+                  f"{flood['ratio']:.2f}x its speed without them (the engine core pinned to CPU {flood['engine_cpu']})")
     if "spec_decode" in report:
         d = report["spec_decode"]
         g, e = d["ngram"], d["extractive"]

@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,3 +95,71 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
             "offline_ttft_p50": nearest_rank(offline.ttft, 50), "offline_tpot_p50": nearest_rank(offline.tpot, 50),
             "ttft_overhead_ms": 1000 * overhead, "ttft_alone_p50": statistics.median(served_alone),
             "texts_equal": same_texts(served, offline), "note": served.note}
+
+
+def refused_flood_effect(tokens: int = 48) -> dict | None:
+    """One live stream's speed while two clients keep sending prompts the server refuses (past the context), as
+    a ratio to its speed without them: what refusals cost the engine.
+
+    The engine core is pinned to one CPU (``--engine-cpus``, one thread) and everything else (the server's
+    process, the clients, this one) to the others, so the ratio shows the engine's own work, not the sharing
+    of cores on a small machine. Half the refused prompts are long enough to refuse by their length alone,
+    half must be tokenized first. None where CPUs cannot be pinned (not Linux, or one CPU).
+    """
+    from enginelib.serve import ServerProcess  # imported when used: the server stack is not needed offline
+
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    if len(cpus) < 2:
+        return None
+    core, rest = min(cpus), cpus - {min(cpus)}
+    with ServerProcess(["--threads", "1", "--engine-cpus", str(core), "--max-num-seqs", "4"]) as server:
+        for tid in os.listdir(f"/proc/{server.process.pid}/task"):
+            os.sched_setaffinity(int(tid), rest)
+        os.sched_setaffinity(0, rest)  # this thread, and the flooding threads it starts
+        try:
+            name = served_model_name(server.url)
+            _stream_tok_per_s(server.url, name, 8)  # warm-up
+            quiet = [_stream_tok_per_s(server.url, name, tokens)]
+            stop, refused = threading.Event(), [0]
+
+            def flood(prompt: str) -> None:
+                while not stop.is_set():
+                    refused[0] += _post(server.url, {"model": name, "prompt": prompt, "max_tokens": 4}) == 400
+            floods = [threading.Thread(target=flood, args=("word " * n,), daemon=True) for n in (150_000, 40_000)]
+            for thread in floods:
+                thread.start()
+            start = time.perf_counter()
+            flooded = _stream_tok_per_s(server.url, name, tokens)
+            seconds = time.perf_counter() - start
+            stop.set()
+            for thread in floods:
+                thread.join()
+            quiet.append(_stream_tok_per_s(server.url, name, tokens))  # before and after: a drift shows
+        finally:
+            os.sched_setaffinity(0, cpus)
+    return {"ratio": flooded / statistics.mean(quiet), "quiet_tok_per_s": quiet, "flooded_tok_per_s": flooded,
+            "refused_per_s": refused[0] / seconds, "engine_cpu": core}
+
+
+def _post(url: str, body: dict) -> int:
+    request = urllib.request.Request(url + "/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            answer.read()
+            return answer.status
+    except urllib.error.HTTPError as error:
+        error.read()
+        return error.code
+
+
+def _stream_tok_per_s(url: str, name: str, tokens: int) -> float:
+    """One greedy stream of ``tokens`` tokens: chunks per second after the first (one token per chunk)."""
+    body = {"model": name, "prompt": "Count to a thousand:", "max_tokens": tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    request = urllib.request.Request(url + "/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    times = []
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        times = [time.perf_counter() for line in answer if line.startswith(b"data: {")]
+    return (len(times) - 1) / (times[-1] - times[0])

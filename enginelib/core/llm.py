@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 from tqdm.auto import tqdm
@@ -14,6 +15,14 @@ from enginelib.model.transformer import Transformer
 from enginelib.model.weights import DEFAULT_MODEL, load_model
 
 Prompt = str | list[int]
+
+
+def _samples(outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n samples as one output (the first's id and metrics), completion j being sample j."""
+    if len(outs) == 1:
+        return outs[0]
+    completions = [replace(out.outputs[0], index=j) for j, out in enumerate(outs)]
+    return replace(outs[0], outputs=completions)
 
 
 class LLM:
@@ -48,23 +57,27 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: give one, or one each")
-        ids = []
+        ids: list[list[str]] = []  # per prompt, its n samples' request ids
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+                ids.append([])
+                for j in range(p.n):  # n samples: n requests; the later ones find the prompt's blocks cached
+                    seed = None if p.seed is None else p.seed + j
+                    ids[-1].append(self.engine.add_request(prompt, replace(p, n=1, seed=seed)))
         except ValueError:
-            for rid in ids:  # all or nothing: take back the ones already queued
+            for rid in (rid for group in ids for rid in group):  # all or nothing: take back the ones queued
                 self.engine.abort(rid)
             self.engine.step()
             raise
+        wanted = {rid for group in ids for rid in group}
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
-            while len(results) < len(ids):
+        with tqdm(total=len(wanted), desc="requests", disable=not use_tqdm) as bar:
+            while len(results) < len(wanted):
                 for out in self.engine.step():
-                    if out.finished and out.request_id in ids and out.request_id not in results:
+                    if out.finished and out.request_id in wanted and out.request_id not in results:
                         results[out.request_id] = out
                         bar.update()
-        return [results[rid] for rid in ids]
+        return [_samples([results[rid] for rid in group]) for group in ids]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -1,6 +1,7 @@
 """Text <-> token ids, through the ``tokenizers`` library, plus the model's chat template."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +64,16 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: the same ids, but it lets go of Python's interpreter lock while it works, so
+        # tokenizing a long prompt in a server's worker thread does not stall its event loop (or engine thread)
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for: a text of ``b`` bytes is at least ``b / max_token_bytes``
+        tokens, which refuses a prompt far past the context before any tokenizing."""
+        return max(len(self.backend.decode([i]).encode("utf-8")) for i in range(self.vocab_size))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -41,7 +41,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from enginelib.config import MAX_LOGPROBS, CompileConfig, EngineConfig, SamplingParams, SpeculativeConfig
 from enginelib.core.outputs import StreamDelta, TokenLogprob
-from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed, RequestStream
+from enginelib.serve.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestFailed, RequestStream,
+                                          refuse_long_text)
 from enginelib.serve.guard import Guard, error_object, is_loopback
 from enginelib.serve.metrics import ServerMetrics
 
@@ -137,6 +138,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
     app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only)
     metrics = ServerMetrics(engine)
     context, tokenizer = engine.context_length, engine.tokenizer
+    tokenizing = asyncio.Semaphore(1)
     created = int(time.time())
     app.state.engine, app.state.metrics = engine, metrics
 
@@ -210,8 +212,18 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
         logprobs = _logprobs_asked(body)
         _refuse_unsupported(body)
         # Tokenized once, here in the server's process: the engine gets token ids, and never sees a prompt that
-        # the engine's own checks (in add_request, before anything is queued) refuse.
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        # the checks (in add_request, before anything is queued) refuse. One prompt at a time, in a worker thread
+        # (the tokenizer lets go of the interpreter lock): a flood of long prompts takes one core at most and
+        # never stalls the event loop's streams. A text far past the context is refused before any tokenizing.
+        async with tokenizing:
+            for i, prompt in enumerate(prompts):
+                if isinstance(prompt, str):
+                    try:
+                        refuse_long_text(prompt, body.max_tokens or 1, tokenizer, context)
+                    except ValueError as error:
+                        raise ApiError(400, (f"prompt {i}: " if len(prompts) > 1 else "") + str(error),
+                                       _param(str(error)) or "prompt") from None
+                    prompts[i] = await asyncio.to_thread(tokenizer.encode, prompt)
         params = [_sampling_params(body, prompt, context, logprobs) for prompt in prompts]
         request_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
@@ -546,6 +558,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process, as vLLM V1 does (default); --no-engine-process "
                         "runs it in a thread of the server's process, sharing its interpreter lock")
+    p.add_argument("--engine-cpus", type=lambda s: {int(c) for c in s.split(",")}, default=None, metavar="LIST",
+                   help="pin the engine core's process to these CPUs, e.g. 0 or 0,1 (Linux; with --engine-process)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from memory)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests in the running batch at most")
@@ -638,7 +652,7 @@ def make_engine(args: argparse.Namespace) -> AsyncEngine | EngineCoreClient:
         from enginelib.serve.engine_core import EngineCoreClient
 
         return EngineCoreClient(functools.partial(build_engine, args), max_waiting=args.max_waiting,
-                                threads=args.threads)
+                                threads=args.threads, cpus=args.engine_cpus)
     return AsyncEngine(build_engine(args), max_waiting=args.max_waiting, threads=args.threads)
 
 

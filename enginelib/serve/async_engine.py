@@ -31,6 +31,7 @@ from enginelib.core.scheduler import Scheduler
 from enginelib.model.device import set_threads
 
 if TYPE_CHECKING:
+    from enginelib.model.tokenizer import Tokenizer
     from enginelib.serve.engine_core import EngineCoreClient
 
 log = logging.getLogger(__name__)
@@ -255,9 +256,20 @@ class RequestStream:
 def checked_prompt(engine: AsyncEngine | EngineCoreClient, prompt: str | list[int], params: SamplingParams) -> list[int]:
     """The prompt's token ids, checked against the model (length, vocabulary) and ``params``: ``ValueError``
     if the engine would refuse it, before it costs the engine anything."""
+    if isinstance(prompt, str) and isinstance(params, SamplingParams):
+        refuse_long_text(prompt, params.max_tokens, engine.tokenizer, engine.context_length)
     ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
     check_request(ids, params, engine.vocab_size, engine.context_length)
     return ids
+
+
+def refuse_long_text(text: str, max_tokens: int, tokenizer: Tokenizer, context_length: int) -> None:
+    """``ValueError`` for a text that cannot fit the context whatever its tokens: each token stands for at most
+    ``tokenizer.max_token_bytes`` bytes, so this costs a length, not a tokenization."""
+    fewest = -(-len(text.encode("utf-8", "surrogatepass")) // tokenizer.max_token_bytes)
+    if fewest + max_tokens > context_length:
+        raise ValueError(f"prompt (at least {fewest} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                         f"context of {context_length} tokens: shorten the prompt or lower max_tokens")
 
 
 def overloaded(scheduler: Scheduler, max_waiting: int | None) -> str | None:

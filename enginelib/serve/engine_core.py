@@ -25,8 +25,9 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -35,16 +36,8 @@ from enginelib.config import SamplingParams, stop_hold_back
 from enginelib.core.engine import Engine, EngineStats
 from enginelib.core.outputs import DeltaCursor
 from enginelib.model.device import set_threads
-from enginelib.serve.async_engine import (
-    EngineDead,
-    EngineOverloaded,
-    RequestStream,
-    _call_soon,
-    _put_all,
-    _Stream,
-    checked_prompt,
-    overloaded,
-)
+from enginelib.serve.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestStream, _call_soon,
+                                          _put_all, _Stream, checked_prompt, overloaded)
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +47,17 @@ class EngineCoreClient:
     picklable callable (a module-level function, or a ``functools.partial`` of one), since the child is
     spawned, not forked (a forked child would inherit the parent's threads and CUDA state half-made).
     The constructor returns once the core is ready (its model loaded); a failed build raises here.
-    As with any spawned process, a script that makes one needs Python's ``if __name__ == "__main__":`` guard."""
+    As with any spawned process, a script that makes one needs Python's ``if __name__ == "__main__":`` guard.
+    ``cpus`` pins the core to those CPUs (Linux), so the server's own work runs on the others."""
 
     def __init__(self, build: Callable[[], Engine], *, max_waiting: int | None = None, threads: int | None = None,
-                 timeout: float = 600.0) -> None:
+                 cpus: set[int] | None = None, timeout: float = 600.0) -> None:
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 (or None for no limit), got {max_waiting}")
         self.max_waiting = max_waiting
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self.process = context.Process(target=_run_core, args=(child, build, max_waiting, threads),
+        self.process = context.Process(target=_run_core, args=(child, build, max_waiting, threads, cpus),
                                        name="engine-core", daemon=True)
         self.process.start()
         child.close()  # ours is closed in the child: when either side exits, the other's recv raises EOFError
@@ -79,6 +73,7 @@ class EngineCoreClient:
             raise RuntimeError(f"the engine core failed to start: {ready[0] if ready else kind}")
         self.tokenizer, self.context_length, self.vocab_size, self.stats = ready
         self.error: BaseException | None = None
+        self._stopping = False
         self._send_lock, self._lock = threading.Lock(), threading.Lock()
         self._streams: dict[str, _Stream] = {}         # the reader thread delivers to these
         self._pending: dict[int, tuple[Future, _Stream | None]] = {}  # commands waiting for the core's answer
@@ -101,15 +96,7 @@ class EngineCoreClient:
         request_id = await self._call("add", ids, params, request_id, stream=stream)
         return RequestStream(self, request_id, stream.queue)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator:
-        """As :meth:`AsyncEngine.generate`: yield the request's deltas; stopping early aborts it."""
-        stream = await self.add_request(prompt, params, request_id)
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            stream.close()
+    generate = AsyncEngine.generate  # the same: queue with add_request, yield the deltas, abort if left early
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; False if it had already finished (or never existed)."""
@@ -134,6 +121,7 @@ class EngineCoreClient:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core (requests in flight are aborted) and wait for its process."""
+        self._stopping = True
         if self.process.is_alive():
             try:
                 self._send(("stop",))
@@ -175,9 +163,9 @@ class EngineCoreClient:
                     self.error = error
                     return
         except (EOFError, OSError):  # the pipe closed: the core exited (shut down, or killed)
-            code = self.process.exitcode
-            if code not in (None, 0):
-                self.error = error = EngineDead(f"the engine core exited with code {code}")
+            if not self._stopping:
+                self.process.join(5)  # reap it, for its exit code
+                self.error = error = EngineDead(f"the engine core exited with code {self.process.exitcode}")
         finally:
             self._fail_everyone(error)
 
@@ -214,8 +202,11 @@ class EngineCoreClient:
 
 # --- the engine-core process --------------------------------------------------------------------
 
-def _run_core(conn: Connection, build: Callable[[], Engine], max_waiting: int | None, threads: int | None) -> None:
+def _run_core(conn: Connection, build: Callable[[], Engine], max_waiting: int | None, threads: int | None,
+              cpus: set[int] | None) -> None:
     """The child: build the engine, say ready, then step while there is work and read commands between steps."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # before torch starts its threads: they inherit it
     set_threads(threads)
     try:
         engine = build()
