@@ -34,8 +34,8 @@ async def _text(core: EngineCoreClient, prompt: str, params: SamplingParams) -> 
     return "".join([d.text async for d in core.generate(prompt, params)])
 
 
-def _idle(core: EngineCoreClient) -> None:
-    deadline = time.monotonic() + 30
+def _idle(core: EngineCoreClient, within: float = 30) -> None:
+    deadline = time.monotonic() + within
     while (core.stats.pool.used or core.stats.running) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert core.stats.pool.used == 0 and core.stats.running == 0
@@ -81,6 +81,19 @@ def test_abort_and_the_queue_limit_across_processes(core):
         assert await core.abort(waiting[0].request_id) is False   # gone already
     asyncio.run(main())
     _idle(core)
+
+
+def test_a_caller_that_stops_waiting_for_its_add_leaves_nothing_running(core):
+    """A client gone while its request is being added (the add's answer not yet back): the core aborts it."""
+    async def main():
+        adding = asyncio.ensure_future(core.add_request(PROMPTS[0], SamplingParams(max_tokens=1000, ignore_eos=True)))
+        await asyncio.sleep(0)  # the add is sent; its answer is not back yet
+        adding.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await adding
+        assert await _text(core, PROMPTS[1], SamplingParams(temperature=0, max_tokens=4))  # the core still serves
+    asyncio.run(main())
+    _idle(core, within=10)  # the 1000-token request would hold its blocks for far longer
 
 
 def test_a_dead_core_fails_every_caller():

@@ -103,8 +103,8 @@ def refused_flood_effect(tokens: int = 48) -> dict | None:
 
     The engine core is pinned to one CPU (``--engine-cpus``, one thread) and everything else (the server's
     process, the clients, this one) to the others, so the ratio shows the engine's own work, not the sharing
-    of cores on a small machine. Half the refused prompts are long enough to refuse by their length alone,
-    half must be tokenized first. None where CPUs cannot be pinned (not Linux, or one CPU).
+    of cores on a small machine. One client's prompts are long enough to refuse by their length alone, the
+    other's must be tokenized first. None where CPUs cannot be pinned (not Linux, or one CPU).
     """
     from enginelib.serve import ServerProcess  # imported when used: the server stack is not needed offline
 
@@ -141,11 +141,14 @@ def refused_flood_effect(tokens: int = 48) -> dict | None:
             "refused_per_s": refused[0] / seconds, "engine_cpu": core}
 
 
+def _completion(url: str, body: dict) -> urllib.request.Request:
+    return urllib.request.Request(url + "/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+
 def _post(url: str, body: dict) -> int:
-    request = urllib.request.Request(url + "/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    """POST a completion, read the answer; its HTTP status."""
     try:
-        with urllib.request.urlopen(request, timeout=120) as answer:
+        with urllib.request.urlopen(_completion(url, body), timeout=120) as answer:
             answer.read()
             return answer.status
     except urllib.error.HTTPError as error:
@@ -157,9 +160,6 @@ def _stream_tok_per_s(url: str, name: str, tokens: int) -> float:
     """One greedy stream of ``tokens`` tokens: chunks per second after the first (one token per chunk)."""
     body = {"model": name, "prompt": "Count to a thousand:", "max_tokens": tokens, "stream": True,
             "temperature": 0, "ignore_eos": True}
-    request = urllib.request.Request(url + "/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    times = []
-    with urllib.request.urlopen(request, timeout=300) as answer:
+    with urllib.request.urlopen(_completion(url, body), timeout=300) as answer:
         times = [time.perf_counter() for line in answer if line.startswith(b"data: {")]
     return (len(times) - 1) / (times[-1] - times[0])

@@ -65,9 +65,10 @@ class EngineCoreClient:
             self.process.kill()
             raise TimeoutError(f"the engine core was not ready within {timeout} s")
         try:
-            kind, *ready = self._recv()
+            kind, *ready = self._conn.recv()
         except EOFError:
-            kind, ready = f"it exited with code {self.process.join(5) or self.process.exitcode}", []
+            self.process.join(5)
+            kind, ready = f"it exited with code {self.process.exitcode}", []
         if kind != "ready":
             self.process.join(5)
             raise RuntimeError(f"the engine core failed to start: {ready[0] if ready else kind}")
@@ -80,9 +81,6 @@ class EngineCoreClient:
         self._ids = itertools.count()
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._reader.start()
-
-    def _recv(self) -> tuple:
-        return self._conn.recv()
 
     # --- the caller's side (any thread, any event loop) -----------------------------------
 
@@ -153,7 +151,7 @@ class EngineCoreClient:
         error: BaseException = EngineDead("the engine core was shut down")
         try:
             while True:
-                kind, *body = self._recv()
+                kind, *body = self._conn.recv()
                 if kind == "step":
                     self._deliver(*body)
                 elif kind == "answer":
@@ -172,9 +170,17 @@ class EngineCoreClient:
     def _answer(self, command: int, result: Any, error: BaseException | None) -> None:
         with self._lock:
             future, stream = self._pending.pop(command)
+        if not future.set_running_or_notify_cancel():  # its caller stopped waiting (a client gone mid-add)
             if error is None and stream is not None:
+                self._send(("abort", None, result))  # a request nobody will read
+            return
+        if error is not None:
+            future.set_exception(error)
+            return
+        if stream is not None:
+            with self._lock:
                 self._streams[result] = stream
-        future.set_exception(error) if error is not None else future.set_result(result)
+        future.set_result(result)
 
     def _deliver(self, deltas: list, stats: EngineStats) -> None:
         self.stats = stats
@@ -195,7 +201,8 @@ class EngineCoreClient:
             pending, self._pending = self._pending, {}
             streams, self._streams = self._streams, {}
         for future, _ in pending.values():
-            future.set_exception(error)
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
         for stream in streams.values():
             _call_soon(stream.loop, stream.queue.put_nowait, error)
 
