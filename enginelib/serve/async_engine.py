@@ -32,7 +32,6 @@ from enginelib.model.device import set_threads
 
 if TYPE_CHECKING:
     from enginelib.model.tokenizer import Tokenizer
-    from enginelib.serve.engine_core import EngineCoreClient
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class AsyncEngine:
         queued, so a server can answer 400 before it starts a streamed response.
         """
         params = SamplingParams() if params is None else params
-        ids = checked_prompt(self, prompt, params)
+        ids = checked_prompt(prompt, params, self.tokenizer, self.vocab_size, self.context_length)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), DeltaCursor())
         request_id = await self._call(self._add, ids, params, request_id, stream)
         return RequestStream(self, request_id, stream.queue)
@@ -253,13 +252,14 @@ class RequestStream:
             self.engine._close(self.request_id)
 
 
-def checked_prompt(engine: AsyncEngine | EngineCoreClient, prompt: str | list[int], params: SamplingParams) -> list[int]:
+def checked_prompt(prompt: str | list[int], params: SamplingParams, tokenizer: Tokenizer, vocab_size: int,
+                   context_length: int) -> list[int]:
     """The prompt's token ids, checked against the model (length, vocabulary) and ``params``: ``ValueError``
     if the engine would refuse it, before it costs the engine anything."""
     if isinstance(prompt, str) and isinstance(params, SamplingParams):
-        refuse_long_text(prompt, params.max_tokens, engine.tokenizer, engine.context_length)
-    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
-    check_request(ids, params, engine.vocab_size, engine.context_length)
+        refuse_long_text(prompt, params.max_tokens, tokenizer, context_length)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
+    check_request(ids, params, vocab_size, context_length)
     return ids
 
 

@@ -89,7 +89,7 @@ class EngineCoreClient:
         """Tokenize and check the request here, then queue it in the core; bad input raises ``ValueError``
         before anything reaches the core."""
         params = SamplingParams() if params is None else params
-        ids = checked_prompt(self, prompt, params)
+        ids = checked_prompt(prompt, params, self.tokenizer, self.vocab_size, self.context_length)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())  # the core makes the deltas
         request_id = await self._call("add", ids, params, request_id, stream=stream)
         return RequestStream(self, request_id, stream.queue)
