@@ -22,6 +22,7 @@ no abort sent back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -121,10 +122,8 @@ class EngineCoreClient:
         """Stop the core (requests in flight are aborted) and wait for its process."""
         self._stopping = True
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(BrokenPipeError):  # it died meanwhile: nothing to stop, the kill below reaps it
                 self._send(("stop",))
-            except OSError:
-                pass  # it died meanwhile: nothing to stop
             self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()

@@ -272,13 +272,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
 # ---------------------------------------------------------------- weight-only matmuls
 
 @_jit
-def _int8_linear_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, sx_m, sq_n, so_m,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows and columns of the output (N across program ids' axis 0), and which of them exist."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rm, rn, rm < M, rn < N
+
+
+@_jit
+def _int8_linear_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, sx_m, sq_n, so_m,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    rm, rn, m_ok, n_ok = _output_tile(M, N, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
@@ -298,11 +303,8 @@ def _int8_linear_kernel(x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, sx_m, sq_n, s
 @_jit
 def _int4_linear_kernel(x_ptr, codes_ptr, scale_ptr, min_ptr, out_ptr, M, N, C, G, sx_m, sc_n, so_m,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm, rn, m_ok, n_ok = _output_tile(M, N, BLOCK_M, BLOCK_N)
     rc = tl.arange(0, BLOCK_C)
-    m_ok = rm < M
-    n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for c0 in range(0, C, BLOCK_C):  # C = K / 2 bytes per output row
         c = c0 + rc
