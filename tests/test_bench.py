@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import math
 import os
@@ -69,6 +69,8 @@ def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
         lookup(report, key)  # present (None where a system was not run)
     peer = "llama_cpp" in ran  # llama.cpp joins the systems with its section (where llama-cpp-python is installed)
     assert report["systems"]["engine"]["tok_per_s"] > 0
+    # transformers is a slow section: hf_static runs with it (where transformers imports), never without it
+    assert ("hf_static" in report["systems"]) == ("hf" in ran and importlib.util.find_spec("transformers") is not None)
     assert report["ratios"]["engine_vs_naive"] > 1  # one request at a time, without a cache: the slowest
     assert 0 < report["kv_waste"]["paged"] < report["kv_waste"]["contiguous"] < 1
     assert report["concurrency_ratio"] > 1
@@ -238,7 +240,7 @@ def test_bad_section_flags_say_what_to_change(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-SLOW = {"serve", "spec_decode", "quant", "compile"}
+SLOW = {"hf", "serve", "spec_decode", "quant", "compile"}
 
 
 @pytest.mark.parametrize("value, quick, want", [(None, True, set()), ("none", False, set()), (None, False, SLOW),

@@ -111,6 +111,39 @@ def test_committed_outputs_are_from_a_full_error_free_run(path):
     assert not errors
 
 
+def exercise_cells(nb) -> list[tuple[int, nbformat.NotebookNode]]:
+    """(index, cell) of every code cell in the chapter's '## Exercises' section: from the markdown cell
+    that starts with '## Exercises' to the next markdown cell that starts with '## '."""
+    cells, inside = [], False
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            heading = cell.source.lstrip()
+            if heading.startswith("## Exercises"):
+                inside = True
+            elif heading.startswith("## "):
+                inside = False
+        elif inside and cell.cell_type == "code":
+            cells.append((i, cell))
+    return cells
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_exercise_checks_print_checks_not_answers(path):
+    """An exercise's cells do not give its answers away: solutions compute, checks assert and then say
+    'check passed: ...' in words; nothing else is shown (no other printed lines, figures or errors)."""
+    found = []
+    for i, cell in exercise_cells(nbformat.read(path, as_version=4)):
+        for output in cell.outputs:
+            if output.output_type == "stream":
+                found += [f"cell {i}: printed {line!r}" for line in output.text.splitlines()
+                          if not line.startswith("check passed")]
+            else:
+                kinds = ", ".join(output.get("data", {})) or "no data"
+                found.append(f"cell {i}: {output.output_type} output ({kinds})")
+    assert not found, (f"{path.name}: exercise cells may only print 'check passed: ...' lines "
+                       "(re-execute after fixing the cells):\n" + "\n".join(found))
+
+
 def test_the_readme_points_every_chapter_at_files_that_exist():
     """The chapter table's "finished code" column: the first path is from the repository root, the
     others from enginelib/."""
@@ -206,6 +239,11 @@ STALE_PHRASES = {
         r"(?i)\bcoming soon\b|\bnot yet written\b|\byet to be written\b|\bunder construction\b|\bwork in progress\b"),
     "a table cell that says 'coming'": re.compile(r"(?i)\|\s*coming\s*\|"),
     "a note to the authors": re.compile(r"\b(?:TODO|TBD|FIXME|XXX)\b"),
+    # vLLM's docs moved to MkDocs: pages are directories under /en/latest/ (the old .html pages, the
+    # features/spec_decode page and serving/openai_compatible_server moved or are gone)
+    "a vLLM docs link in its old layout": re.compile(
+        r"docs\.vllm\.ai/en/[^\s)\]>\"']*\.html|docs\.vllm\.ai/en/latest/features/spec_decode\b"
+        r"|docs\.vllm\.ai/en/[^/\s]+/serving/openai_compatible_server"),
 }
 
 

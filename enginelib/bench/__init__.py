@@ -16,7 +16,8 @@ concurrent streams with the offline engine's: the cost of HTTP and SSE.
 The ``spec_decode`` section runs the engine with and without speculation (an int4 draft, n-gram lookup;
 chapter 14), the ``quant`` section the int8 and int4 models
 against the float one (chapter 12): speed ratios and perplexity.
-These slow sections (and ``compile``, ``llama_cpp``) all run in a full run and
+These slow sections (and ``hf``: transformers' ``hf_static`` system and its
+single stream, ``compile``, ``llama_cpp``) all run in a full run and
 none with ``--quick``, which keeps the core (systems, roofline, prefix cache,
 chunked prefill, KV waste); ``--sections`` picks them. Each part of the run
 prints a progress line with its seconds to stderr.
@@ -36,7 +37,7 @@ The package, in the order a run uses it:
 """
 from enginelib.bench.cli import main
 from enginelib.bench.endpoint import ENDPOINT, run_endpoint, served_model_name
-from enginelib.bench.hf import load_hf, run_hf_static
+from enginelib.bench.hf import hf_single_stream, load_hf, run_hf_static
 from enginelib.bench.memory import concurrency, kv_waste
 from enginelib.bench.profile import OP_KINDS, PHASES, profile_steps
 from enginelib.bench.quantization import int4_model, quant_effect
@@ -60,7 +61,7 @@ from enginelib.config import EngineConfig
 __all__ = [
     "ENDPOINT", "OP_KINDS", "PHASES", "QUESTIONS", "SYSTEMS", "WORKLOADS", "BenchRequest", "EngineConfig", "SpecRun",
     "SystemResult", "Workload", "chat_prompt", "chunked_prefill_effect", "concurrency", "decode_flops_per_token",
-    "decode_seconds", "decode_step_time", "extractive_prompts", "int4_model", "kv_waste", "latency_curve", "load_hf",
+    "decode_seconds", "decode_step_time", "extractive_prompts", "hf_single_stream", "int4_model", "kv_waste", "latency_curve", "load_hf",
     "main", "make_workload", "matmul_peak", "prefix_cache_effect", "profile_steps", "quant_effect", "read_bandwidth",
     "run_endpoint", "run_engine", "run_hf_static", "run_one_at_a_time", "run_spec", "run_static", "serve_args",
     "serve_effect", "served_model_name", "spec_decode_effect",

@@ -6,8 +6,9 @@ and write the report.
 
 The core (the systems on the workloads, the machine's roofline, prefix cache,
 chunked prefill, KV waste) always runs. The slow sections (:data:`SLOW_SECTIONS`:
-our server, speculative decoding, quantization, torch.compile, llama.cpp) all run
-in a full run and none with ``--quick``; ``--sections`` picks them either way.
+transformers, our server, speculative decoding, quantization, torch.compile,
+llama.cpp) all run in a full run and none with ``--quick``; ``--sections`` picks
+them either way.
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ from enginelib.speed import cpu_kernels
 from enginelib.speed.compiled import compile_unavailable
 from enginelib.speed.quant import kernel_unavailable, load_quantized, quant_info
 
-SLOW_SECTIONS = ("serve", "spec_decode", "quant", "compile", llama.NAME)  # opt-in with --quick
+# Opt-in with --quick. "hf" is the hf_static system and transformers' single stream: loading transformers
+# takes longer than all the rest of a quick run on a 2-core CPU.
+SLOW_SECTIONS = ("hf", "serve", "spec_decode", "quant", "compile", llama.NAME)
 
 if TYPE_CHECKING:
     from enginelib.serve import ServerProcess  # imported when used: the server stack is not needed offline
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     sections = parse_sections(ap, args.sections, args.quick)
     systems = tuple(args.systems.split(",")) if args.systems else (
-        SYSTEMS + ((llama.NAME,) if llama.NAME in sections and llama.available() else ()))
+        tuple(s for s in SYSTEMS if s != "hf_static" or "hf" in sections)
+        + ((llama.NAME,) if llama.NAME in sections and llama.available() else ()))
     if args.endpoint and ENDPOINT not in systems:
         systems += (ENDPOINT,)
     for s in systems:
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error(f"unknown system {s!r}; choose from {', '.join(offered + (ENDPOINT,))}")
     if llama.NAME in systems:  # the peer is its section: asked for as a system, its comparisons run too
         sections.add(llama.NAME)
+    if "hf_static" in systems:  # the same for transformers
+        sections.add("hf")
     if ENDPOINT in systems and not args.endpoint:
         ap.error("the endpoint system needs --endpoint URL (an OpenAI-compatible server's base URL)")
     if args.concurrency < 1:
@@ -283,6 +289,8 @@ def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, .
         report["concurrency"] = budget
         report["concurrency_ratio"] = budget["paged"] / budget["contiguous"]
     print_summary(report)
+    if skipped := [s for s in SLOW_SECTIONS if s not in sections and (s != llama.NAME or llama.available())]:
+        print(f"slow sections not run: {', '.join(skipped)} (add them with --sections NAME,... or --sections all)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
