@@ -1,12 +1,6 @@
-"""Every knob in one place, as plain data with no torch: what a request asks for
-(:class:`SamplingParams`), and how the engine runs (:class:`EngineConfig` with its
-:class:`SchedulerConfig`, :class:`SpeculativeConfig` and :class:`CompileConfig`).
-
-The scheduling side imports this and not the tensor code, as vLLM keeps
-``sampling_params.py`` and ``config/`` apart from its sampler and model runner.
-Each config checks its own values when it is built, so a bad value fails where it
-is written, not steps later inside the engine.
-"""
+"""Every knob in one place, as plain data with no torch: what a request asks for (:class:`SamplingParams`) and how the
+engine runs (:class:`EngineConfig`); the scheduling side imports it, not the tensor code, as in vLLM. Each config checks
+its values when built, so a bad value fails where it is written, not steps later inside the engine."""
 from __future__ import annotations
 
 import math
@@ -38,19 +32,11 @@ def _check_number(name: str, value: object, example: str) -> None:
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop, shaped like vLLM's ``SamplingParams``.
-
-    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1 turn
-    those filters off. ``seed`` makes sampling reproducible per request. A stop
-    string ends the text before it, unless ``include_stop_str_in_output``.
-    ``logprobs`` (0..20, None: off) reports each generated token's log-probability
-    and the ``logprobs`` most likely tokens at its position, from the model's raw
-    logits (before temperature, top-k and top-p: vLLM's default ``raw_logprobs``).
-    ``n`` samples per prompt: ``LLM.generate`` runs them as ``n`` requests (sample
-    ``j`` seeded ``seed + j``) sharing the prompt's blocks, one output with ``n``
-    completions; the ``Engine`` itself takes one sample per request.
-    """
-
+    """How to pick tokens and when to stop, like vLLM's. ``temperature=0``: greedy; ``top_k`` of 0 or -1 and ``top_p``
+    of 1: off. A stop string ends the text before it, unless ``include_stop_str_in_output``. ``seed``: reproducible
+    sampling per request. ``logprobs`` (0..20, None: off): each token's log-probability and the likeliest tokens',
+    from the raw logits. ``n`` samples per prompt: ``LLM.generate`` runs ``n`` requests (seeded ``seed + j``) sharing
+    the prompt's blocks; an ``Engine`` request is one sample."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -121,14 +107,13 @@ def finish_reason(token: int, num_generated: int, params: SamplingParams, eos_to
 
 
 def stop_hold_back(params: SamplingParams) -> int:
-    """How many trailing characters a stream keeps back: a stop string may start in them and end in a
-    token still to come, and then the final text ends before it (0 without stop strings)."""
+    """How many trailing characters a stream keeps back: a stop string may start in them and end in a token still
+    to come, and then the final text ends before it (0 without stop strings)."""
     return max((len(s) for s in params.stop), default=1) - 1
 
 
 def as_token_ids(prompt: object) -> list[int]:
-    """A prompt that is not text must be a sequence of int token ids; anything else is refused here,
-    before it reaches the scheduler, with what to pass instead."""
+    """A non-text prompt as int token ids; anything else is refused here, before the scheduler, saying what to pass."""
     what = f"a prompt must be text (str) or a list of int token ids, got {type(prompt).__name__}"
     if prompt is None or isinstance(prompt, (bytes, Mapping, set, frozenset)) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"{what}: pass a string, or tokenizer.encode(text)")
@@ -162,8 +147,6 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
                          f"model's context of {context_length} tokens: shorten the prompt or lower max_tokens")
 
 
-# --- how the engine runs -------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 32              # requests running at once
@@ -183,9 +166,7 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How to speculate (chapter 14): ``method`` "ngram" (prompt lookup, no extra model) or "draft"
-    (a second, smaller model)."""
-
+    """How to speculate (chapter 14): ``method`` "ngram" (prompt lookup) or "draft" (a second, smaller model)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: guesses per step, so up to k + 1 tokens per step
     prompt_lookup_max: int = 4       # n-gram: the longest suffix looked up earlier in the sequence
@@ -216,17 +197,13 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """What to compile (chapter 13): steps padded up to ``batch_sizes`` tokens (a decode step has one per
-    sequence, a verification ``k + 1``); ``mode`` is torch.compile's."""
-
+    """What to compile (chapter 13): steps padded up to ``batch_sizes`` tokens (one per decoding sequence)."""
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     mode: str | None = None       # torch.compile's mode: None (its default) or e.g. "reduce-overhead" (CUDA graphs)
-    # CPU: the weights become constants of the graph (folded, pre-packed for oneDNN, not passed as ~430 arguments
-    # every step): faster steps, and with cpp_wrapper faster compiling too, but with the Python wrapper a bucket
-    # of the 135M model compiles in ~65 s instead of ~25 s on a 2-core CPU
+    # CPU: the weights become graph constants (folded, pre-packed for oneDNN, not ~430 arguments each step): faster
+    # steps, and faster compiling with cpp_wrapper; with the Python wrapper a 135M bucket compiles in ~65 s, not ~25 s
     freeze: bool = False
-    # CPU: the code that calls each kernel of the step (~300 calls at batch 1) in C++, not Python: a few
-    # ms less a step at batch 1 on a 2-core CPU, for a minute or more of extra compiling per bucket
+    # CPU: the step's ~300 kernel calls made in C++, not Python: a few ms less a step at batch 1, a minute more to build
     cpp_wrapper: bool = False
     fallback: bool = True         # when compiling is unavailable: run eagerly and say why (False: raise)
 
@@ -246,16 +223,14 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None       # the pool's size; else from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for K/V; default 512 MiB on a CPU, else the fraction below
-    gpu_memory_fraction: float = 0.4    # of the free GPU memory (device.free_gpu_memory), when kv_cache_memory is not given
+    gpu_memory_fraction: float = 0.4    # of the free GPU memory (device.free_gpu_memory) without kv_cache_memory
     enable_prefix_caching: bool = True  # reuse computed blocks of a shared prefix (chapter 9)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # seats, token budget, chunked prefill
     record: bool = False                # keep a StepRecord per step (for timelines and block maps)
     speculative: SpeculativeConfig | None = None  # guess tokens and verify them in one step (chapter 14); off: None
     compile: CompileConfig | None = None  # decode and verify steps through torch.compile, per bucket; off: None (eager)
-    # eager steps of one token per sequence attend with a fused kernel that reads the keys where they lie,
-    # instead of gathering them for SDPA: on a CPU in float32 the C++ one a compiled step uses
-    # (cpu_kernels.decode_attention), on a CUDA GPU the Triton one (triton_kernels.decode_attention; the name
-    # is older than that). runner.decode_attention_kernel picks it, or refuses with a ValueError
+    # eager decode steps attend with a fused kernel reading K/V where they lie, not gathered for SDPA: C++ on a float32
+    # CPU, Triton on a CUDA GPU (the name is older); runner.decode_attention_kernel picks it or raises a ValueError
     cpu_decode_kernel: bool = False
 
     @classmethod
@@ -264,7 +239,8 @@ class EngineConfig:
         names = {f.name for f in fields(SchedulerConfig)}
         unknown = set(args) - names - {f.name for f in fields(cls)}
         if unknown:
-            raise ValueError(f"unknown engine arguments {sorted(unknown)}: use fields of EngineConfig or SchedulerConfig")
+            raise ValueError(
+                f"unknown engine arguments {sorted(unknown)}: use fields of EngineConfig or SchedulerConfig")
         scheduler = SchedulerConfig(**{k: args.pop(k) for k in list(args) if k in names})
         args.setdefault("scheduler", scheduler)
         return cls(**args)

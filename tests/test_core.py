@@ -24,6 +24,9 @@ from .conftest import tiny_tokenizer
 PACKAGE = Path(enginelib.__file__).parent
 SCHEDULING_SIDE = ["config", "core.request", "core.outputs", "core.block_pool", "core.kv_manager", "core.scheduler"]
 CORE = ["config", "core", "model"]  # what the engine core may import from enginelib
+ONE_SITTING = ["core/scheduler", "core/kv_manager", "core/block_pool", "core/batch", "core/request", "core/runner",
+               "core/output_processor", "core/engine", "config", "model/transformer", "model/weights", "model/sampling",
+               "model/tokenizer", "model/__init__"]  # the core a reader must understand, file by file
 
 
 def _imports(module: str) -> set[str]:
@@ -81,6 +84,15 @@ def test_the_runner_loads_the_speed_code_a_config_asks_for():
             "num_blocks=8, speculative=enginelib.SpeculativeConfig()))")
     loaded = _loaded_after(code)
     assert "enginelib.speed.speculative" in loaded
+
+
+def test_the_core_reads_in_one_sitting():
+    """The core a reader must understand (scheduler, KV manager, block pool, batch, request, runner, output processor,
+    engine, configs, model) stays readable in one sitting: at most 2,200 physical lines in all, no file over 300. What
+    is left out lives outside the core on purpose: the speed code, serving, pictures and benchmark."""
+    lines = {name: (PACKAGE / f"{name}.py").read_text().count("\n") for name in ONE_SITTING}  # as wc -l counts
+    assert sum(lines.values()) <= 2200, f"the core is {sum(lines.values())} lines: {lines}"
+    assert all(n <= 300 for n in lines.values()), {name: n for name, n in lines.items() if n > 300}
 
 
 def test_engine_stats_are_a_copy(tiny_dt):

@@ -1,11 +1,6 @@
-"""The Batch: the one seam between scheduling and compute.
-
-The scheduler speaks of requests and blocks; the model speaks of tensors. A
-step's plan becomes one flat batch: the new tokens of every scheduled
-sequence laid end to end, where each goes in the cache (slot mapping), what
-each sequence may attend to (block tables, context lengths), and which rows
-need logits.
-"""
+"""The Batch, the one seam between scheduling (requests, blocks) and compute (tensors): a step's plan as one flat batch,
+the new tokens of every sequence end to end, where each goes in the cache (slot mapping), what each sequence may attend
+to (block tables, context lengths), and which rows need logits."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +11,6 @@ import torch
 @dataclass(frozen=True)
 class SequenceWork:
     """One sequence's share of a step, in plain numbers (no Request)."""
-
     token_ids: list[int]    # the tokens to compute this step
     start: int              # position of the first of them (= tokens already cached)
     block_table: list[int]  # its blocks, in order
@@ -68,12 +62,8 @@ class Batch:
 
 
 def to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
-    """One int64 tensor on ``device``, in one host-to-device copy that does not block the host.
-
-    On a GPU the host copy is made in pinned (page-locked) memory: only from
-    there can the copy run asynchronously, while Python prepares the next thing.
-    Split the result into views on the device rather than copying pieces one by one.
-    """
+    """One int64 tensor on ``device`` in one copy that does not block the host (pinned memory on a GPU: the only kind an
+    asynchronous copy runs from). Split it into views there rather than copying pieces one by one."""
     device = torch.device(device)
     host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)

@@ -1,12 +1,6 @@
-"""The block pool: a fixed number of KV-cache blocks, handed out and taken back.
-
-It is pure bookkeeping — block ids, reference counts, and for prefix caching
-(chapter 9) the hash of each full block — and knows nothing about tensors or
-requests. A block shared by several owners returns to the free side when its
-last owner lets go. A freed block that holds a hashed, full block of tokens
-keeps its contents: it stays findable by its hash until it is needed for
-something else, and then the least recently used such block is evicted first.
-"""
+"""The block pool: a fixed number of KV-cache blocks, handed out and taken back; pure bookkeeping (ids, reference
+counts, each full block's hash for prefix caching). A freed block that holds a hashed, full block keeps its contents and
+stays findable by hash until it is needed, least recently used first. No tensors, no requests."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -87,12 +81,8 @@ class BlockPool:
         self.high_water = max(self.high_water, self.num_used)
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one owner from each block, in the order given; an unowned block goes to the free side.
-
-        A cached block keeps its contents and joins the end of the eviction
-        order (most recently used); callers free a request's blocks last first,
-        so the tail of a sequence, the least likely to be shared, is evicted first.
-        """
+        """Drop one owner from each block, in the order given. An unowned cached block joins the end of the eviction
+        order, so callers free a request's blocks last first: a sequence's tail, the least likely shared, goes first."""
         for b in blocks:
             if self.ref_counts[b] == 0:
                 raise ValueError(f"block {b} is already free (double free)")
@@ -102,8 +92,6 @@ class BlockPool:
                     self._free.append(b)
                 else:
                     self._evictable[b] = None
-
-    # --- prefix caching ----------------------------------------------------------------
 
     def cache(self, block: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
         """Make a full, owned block findable by its hash (a hash already held elsewhere is left as it is)."""
@@ -123,20 +111,12 @@ class BlockPool:
         del self._cached[self.block_hashes[block]]
         self.block_hashes[block] = self._tokens[block] = None
 
-    # --- inspection --------------------------------------------------------------------
-
     def stats(self) -> PoolStats:
         return PoolStats(self.num_blocks, self.num_used, self.num_free, self.high_water,
                          len(self._cached), self.evictions)
 
     def check(self, owners: dict[str, list[int]] | None = None) -> None:
-        """Assert the pool's invariants (used by tests after every step).
-
-        Free + used = total; no block is free twice or both free and owned;
-        every cached hash points at a block that carries it; with ``owners``
-        (who holds which blocks), no one holds a block twice and every reference
-        count equals the number of holders.
-        """
+        """Assert the pool's invariants, and with ``owners`` (who holds which blocks) its reference counts."""
         free = set(self._free) | set(self._evictable)
         assert len(free) == len(self._free) + len(self._evictable), "a block is on the free side twice"
         assert all(self.ref_counts[b] == 0 for b in free), "a free block has an owner"

@@ -1,13 +1,10 @@
-"""The engine loop: schedule, run the model, process the outputs.
+"""The engine loop: schedule, run the model, process the outputs. Requests may join at any step, also while others
+decode (continuous batching).
 
-Requests can be added at any time, also while others decode: each step the
-scheduler sees them. That is continuous batching. Each part has its own module:
-the :class:`Scheduler` decides who computes what, the :class:`ModelRunner` turns
-that plan into tokens (and, with a speculative config, proposes guesses and
-verifies them), the :class:`OutputProcessor` turns tokens into text, stop
-strings and metrics. What goes wrong for one request alone (its sampling, its
-text) ends that request with ``finish_reason="error"`` and the others go on; a
-failure of the whole step (the forward pass) raises.
+Each part has its own module: the :class:`Scheduler` decides who computes what, the :class:`ModelRunner` turns that
+plan into tokens (and, with a speculative config, proposes guesses and verifies them), the :class:`OutputProcessor`
+turns tokens into text, stop strings and metrics. What goes wrong for one request alone (its sampling, its text) ends
+it with ``finish_reason="error"`` and the others go on; a failed step (the forward pass) raises.
 """
 from __future__ import annotations
 
@@ -40,7 +37,6 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EngineStats:
     """Counters at one moment (a copy: later steps do not change it)."""
-
     steps: int
     running: int
     waiting: int
@@ -86,8 +82,6 @@ class Engine:
             raise ValueError(f"the KV cache memory ({memory} bytes) holds no block of {config.block_size} tokens "
                              f"({config.block_size * cfg.kv_bytes_per_token(dtype)} bytes): give it more memory")
         return num_blocks
-
-    # --- requests in and out -------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -136,8 +130,6 @@ class Engine:
         """The scheduler's record of a request: an unfinished one, or one of the last to end."""
         return self.output.request(request_id)
 
-    # --- the loop ------------------------------------------------------------------------
-
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that moved (and any just aborted)."""
@@ -169,19 +161,14 @@ class Engine:
         return outputs
 
     def _fail(self, request: Request, error: Exception) -> None:
-        """What went wrong for one request alone (its sampling, its text) ends it with finish_reason "error" and
-        the message in its output; its blocks go back, and the step goes on for the others."""
+        """One request's own failure ends it with finish_reason "error" and the message in its output."""
         log.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error, exc_info=error)
         self.scheduler.fail(request)
         self.output.fail(request, f"{type(error).__name__}: {error}")
 
     def stream(self) -> Iterator[StreamDelta]:
-        """Step until every request is done, yielding each request's new text as it comes.
-
-        What a :class:`DeltaCursor` holds back (a partial character, the last
-        ``max(len(stop)) - 1`` characters) comes in a later delta; a finished
-        request's last delta has ``finished`` and its metrics.
-        """
+        """Step until every request is done, yielding each request's new text as it comes; what a :class:`DeltaCursor`
+        holds back (a partial character, a stop string's possible start) comes later."""
         cursors: dict[str, DeltaCursor] = {}
         while self.has_unfinished_requests() or self._aborted:
             for out in self.step():

@@ -1,17 +1,7 @@
-"""The KV-cache manager: which blocks each request holds, and the prefix cache.
-
-It sits between the scheduler and the :class:`BlockPool`, as in vLLM v1: the
-scheduler decides *how many* tokens a request computes this step; the manager
-finds the blocks for them (``allocate_slots``), gives them back (``free``), and
-finds blocks already computed for the same tokens (``find_cached_prefix``). It
-is the only writer of ``request.block_table``.
-
-Prefix caching (chapter 9): every *full* block gets a hash chained from its
-parent's hash and its own token ids, so equal hashes mean equal prefixes. A new
-request walks its hashes and reuses the longest chain of cached blocks (their
-reference counts go up) instead of computing them again. A block still being
-filled is never shared: it has no hash yet. Plain data, no tensors.
-"""
+"""The KV-cache manager, between the scheduler and the :class:`BlockPool` as in vLLM v1: the scheduler decides *how
+many* tokens a request computes, the manager finds the blocks (it alone writes ``request.block_table``). Prefix caching
+(chapter 9): a full block's hash chains its parent's hash and its own tokens, so equal hashes mean equal prefixes and a
+new request reuses the longest cached chain; a block still being filled has no hash and is never shared."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,12 +13,8 @@ ROOT_HASH = 0  # the "parent" of a sequence's first block
 
 
 def chain_hashes(token_ids: list[int], block_size: int, hashes: list[int] | None = None) -> list[int]:
-    """The chained hash of every full block of ``token_ids``, appended to ``hashes`` (those of a prefix).
-
-    Block i's hash covers its parent's hash and its own tokens, so it stands for
-    the whole prefix up to the end of block i. Equal hashes of different tokens
-    are possible (64 bits), so a hit also compares the tokens (:meth:`BlockPool.lookup`).
-    """
+    """The chained hash of every full block of ``token_ids``, appended to ``hashes`` (those of a prefix). Different
+    tokens may share a hash (64 bits), so a hit also compares the tokens (:meth:`BlockPool.lookup`)."""
     hashes = [] if hashes is None else hashes
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else ROOT_HASH
@@ -58,11 +44,8 @@ class KVCacheManager:
         return self.pool.block_size
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """The longest chain of cached blocks that starts the request's tokens (no owners added yet).
-
-        It stops one token short of the end: the last token is always computed,
-        because the request needs its logits to sample the next one.
-        """
+        """The longest chain of cached blocks that starts the request's tokens (no owners added yet). It stops one token
+        short of the end: the last token is always computed, for the logits that sample the next one."""
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
@@ -76,14 +59,9 @@ class KVCacheManager:
         return blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
-        """Give ``request`` blocks for ``num_new_tokens`` more tokens, after the ``cached`` prefix (admission).
-
-        Returns False, changing nothing, when too few blocks are free. With
-        ``cached`` (from :meth:`find_cached_prefix`), those blocks join the table
-        as computed tokens. Blocks that the new tokens fill are hashed at once,
-        so a request admitted later in the same step can share them: every
-        layer writes the step's K/V before any attention reads them.
-        """
+        """Give ``request`` blocks for ``num_new_tokens`` more tokens after the ``cached`` prefix (admission); False,
+        changing nothing, if too few are free. Blocks the new tokens fill are hashed at once, so a request admitted
+        later in the step can share them: every layer writes the step's K/V before any attention reads them."""
         admission, cached = cached is not None, cached or []
         reused = sum(self.pool.ref_counts[b] == 0 for b in cached)  # cached, but on the free side: they cost a slot
         computed = request.num_computed_tokens + len(cached) * self.block_size
@@ -102,12 +80,8 @@ class KVCacheManager:
         return True
 
     def keep(self, request: Request, start: int) -> None:
-        """After verifying guesses: tokens ``start..num_computed_tokens`` are the request's now; the rest are gone.
-
-        Blocks the kept guesses completed are hashed now (at schedule time they
-        held unverified tokens, and a hash must only ever stand for real ones);
-        blocks past the kept tokens held rejected guesses only and go back to the pool.
-        """
+        """After verifying guesses, tokens ``start..num_computed_tokens`` are the request's: blocks they complete are
+        hashed only now (a hash stands for verified tokens); blocks past them held rejected guesses and go back."""
         keep = self.pool.blocks_for(request.num_computed_tokens)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, start, request.num_computed_tokens)

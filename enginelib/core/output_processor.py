@@ -1,14 +1,6 @@
-"""The output processor: from new token ids to what a caller sees.
-
-After each step it detokenizes every request's new tokens, one token at a time,
-looks for stop strings in the new characters (the last token included: a stop
-string completed by the token that reaches ``max_tokens`` still ends the text
-there, with ``finish_reason="stop"``, as in vLLM), stamps each token's time and
-writes the request's metrics, and builds the :class:`RequestOutput` of every
-request that moved. When it finds a stop string it asks the scheduler, which
-alone moves requests between states, to stop the request there; when making one
-request's text raises, that request alone fails (``finish_reason="error"``).
-"""
+"""The output processor: from new token ids to what a caller sees. Each request's text is detokenized one token at a
+time and searched for stop strings in its new characters (one completed by the token that reaches ``max_tokens`` still
+ends the text there, with ``finish_reason="stop"``, as in vLLM); the scheduler is asked to stop the request."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -27,7 +19,6 @@ KEEP_FINISHED = 1024  # finished requests kept for engine.request(); nothing wal
 @dataclass
 class _Live:
     """What the output side keeps of an unfinished request."""
-
     request: Request
     detokenizer: IncrementalDetokenizer
     num_seen: int = 0  # output tokens already detokenized
@@ -56,9 +47,8 @@ class OutputProcessor:
 
     def process(self, plan: SchedulerOutput, scheduled_time: float, now: float, stop: Callable[[Request, int], None],
                 fail: Callable[[Request, Exception], None]) -> list[RequestOutput]:
-        """The outputs of every request that sampled this step (after ``Scheduler.update``). ``stop(request, n)``
-        ends a request whose text holds a stop string after its first ``n`` output tokens; ``fail(request,
-        error)`` one whose text could not be made (its detokenizer or stop strings raised): it fails alone."""
+        """The outputs of every request that sampled this step (after ``Scheduler.update``). ``stop(request, n)`` ends a
+        request after ``n`` output tokens (a stop string); ``fail(request, error)`` one whose text raised."""
         self.num_preemptions += len(plan.preempted)
         for request in plan.preempted:
             request.metrics.num_preemptions += 1
@@ -101,13 +91,8 @@ class OutputProcessor:
 
     @staticmethod
     def _cut_at_stop_string(live: _Live, before: int) -> bool:
-        """Cut the text at the earliest stop string, if any: before it, or after it with
-        ``include_stop_str_in_output``.
-
-        Only the new characters can complete a match, so the search starts
-        ``max(len(stop)) - 1`` characters before them: the work per token stays
-        constant however long the text grows.
-        """
+        """Cut the text at the earliest stop string, if any (after it with ``include_stop_str_in_output``). Only new
+        characters complete a match: the search starts ``max(len(stop)) - 1`` before them."""
         text, params = live.detokenizer.text, live.request.params
         start = max(0, before - stop_hold_back(params))
         hits = [(i, len(s)) for s in params.stop if (i := text.find(s, start)) >= 0]
@@ -146,5 +131,4 @@ class OutputProcessor:
         logprobs = None if r.params.logprobs is None else r.output_logprobs[:n]
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids,
                              [CompletionOutput(0, live.detokenizer.text, list(r.output_token_ids), r.finish_reason,
-                                               live.error, logprobs)],
-                             r.is_finished, r.metrics)
+                                               live.error, logprobs)], r.is_finished, r.metrics)

@@ -18,7 +18,6 @@ class RequestStatus(str, Enum):
 @dataclass
 class Request:
     """Everything the scheduler tracks about one request. Plain data, no tensors."""
-
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -31,8 +30,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of its full blocks, for the prefix cache
     num_preemptions: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
-    # with params.logprobs: one per sampled token, written by the runner (a stop string's cut may leave extras,
-    # so readers take the first len(output_token_ids))
+    # with params.logprobs: one per sampled token (by the runner); readers take the first len(output_token_ids)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
@@ -61,8 +59,5 @@ class Request:
 
     @property
     def max_total_tokens(self) -> int:
-        """Prompt + every token it may generate: its worst-case footprint in the cache.
-
-        The last generated token is never fed back, so it needs no slot.
-        """
+        """Prompt + max_tokens - 1 (the last token is never fed back): its worst case in the cache."""
         return len(self.prompt_token_ids) + self.params.max_tokens - 1

@@ -1,12 +1,6 @@
-"""The model runner: turns one scheduled step into tokens.
-
-It owns everything that touches tensors in a step: the paged KV cache, building
-the batch, the forward pass (eager, or compiled when a config asks), sampling
-with each request's own generator (and the log-probabilities a request asks for),
-and verifying speculative guesses. It is the only core module that reaches into
-:mod:`enginelib.speed`, and it imports that code lazily, when a config asks for
-it, so a plain engine loads none of it.
-"""
+"""The model runner: turns one scheduled step into tokens, owning all of it that touches tensors (paged KV cache, batch,
+forward pass, sampling, verifying guesses). The only core module that reaches into :mod:`enginelib.speed`, it imports
+that lazily, when a config asks: a plain engine loads none of it."""
 from __future__ import annotations
 
 import warnings
@@ -29,7 +23,6 @@ from enginelib.model.transformer import Transformer
 @dataclass
 class SpecStats:
     """Counters over every verification (a request's step that carried at least one guess)."""
-
     verifications: int = 0
     proposed: int = 0  # guesses verified
     accepted: int = 0  # of them, agreed with by the target (a stop inside the run may still drop some)
@@ -60,7 +53,6 @@ class ModelRunner:
         self.proposer = None
         if config.speculative is not None:
             from enginelib.speed.speculative import make_proposer
-
             self.proposer = make_proposer(config.speculative, model, config.scheduler.max_num_seqs)
         self.spec_stats = SpecStats()  # proposed / accepted guesses (all zero without speculation)
         self.compiled, self.compile_report = None, None
@@ -71,7 +63,6 @@ class ModelRunner:
     def _compile(self):
         """Build the compiled decode step for every bucket now, or say why the engine stays eager."""
         from enginelib.speed import compiled
-
         config = self.config.compile
         reason = compiled.compile_unavailable(self.model.device)
         if reason and config.fallback:
@@ -88,8 +79,6 @@ class ModelRunner:
             warnings.warn(f"{message}; the engine runs eagerly", RuntimeWarning, stacklevel=4)
             return None, None
 
-    # --- per request --------------------------------------------------------------------
-
     def add(self, request_id: str, params: SamplingParams) -> None:
         """A request's own random stream (None: greedy, or torch's global one when it has no seed)."""
         self._generators[request_id] = make_generator(params.seed, self.model.device)
@@ -98,13 +87,14 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     def propose(self, running: list[Request]) -> tuple[dict[str, list[int]], list[tuple[Request, Exception]]]:
-        """Guesses for every running request that decodes next step, at most k and never past its max_tokens;
-        and the requests whose proposal failed, with the error: such a request fails alone (as in ``_sample``)."""
+        """Guesses for every running request that decodes next step, at most k and never past its max_tokens; and the
+        requests whose proposal failed, with the error: such a request fails alone."""
         k, vocab = self.config.speculative.num_speculative_tokens, self.model.cfg.vocab_size
         drafts, failed = {}, []
         for request in running:
             n = min(k, request.params.max_tokens - len(request.output_token_ids) - 1)
-            decodes = request.num_uncomputed_tokens == 1 and request.num_computed_tokens >= len(request.prompt_token_ids)
+            decodes = (request.num_uncomputed_tokens == 1
+                       and request.num_computed_tokens >= len(request.prompt_token_ids))
             if n < 1 or not decodes:
                 continue
             try:  # one request's proposal (a draft model's step, a bad guess): it fails alone, the step goes on
@@ -119,13 +109,9 @@ class ModelRunner:
                 drafts[request.request_id] = guesses
         return drafts, failed
 
-    # --- one step -----------------------------------------------------------------------
-
     def execute(self, plan: SchedulerOutput) -> tuple[list[int | list[int]], list[tuple[Request, Exception]]]:
-        """The step's tokens: one sampled token per work that ``samples``, or a verified run for a work with
-        guesses (see :mod:`enginelib.speed.speculative`); and the requests whose own sampling failed, with
-        the error. Such a request fails alone: its entry in the tokens is a placeholder the scheduler drops.
-        A failure of the whole step (the forward pass) raises."""
+        """The step's tokens (one per work that ``samples``, a verified run per work with guesses) and the requests
+        whose own sampling failed, with the error: they fail alone (placeholder tokens). A failed step raises."""
         with record_function("prepare"):
             seqs = [SequenceWork(w.request.token_slice(w.start, w.start + w.num_tokens - len(w.draft_token_ids))
                                  + w.draft_token_ids, w.start, w.request.block_table, w.samples, len(w.draft_token_ids))
@@ -138,8 +124,7 @@ class ModelRunner:
                 logits = self.model(batch.token_ids, self.cache.bind(batch), positions=batch.positions,
                                     logits_indices=batch.logits_indices)
         with record_function("sample"):
-            # Every row is sampled on the device first (greedy rows by argmax, the others with their own
-            # generators), then one transfer brings the whole step's tokens to the host: one sync per step.
+            # every row is sampled on the device (argmax, or its own generator), then one transfer: one sync a step
             tokens = logits.argmax(dim=-1)
             sampling = [w for w in plan.scheduled if w.samples]
             rows, verdicts, failed = self._sample(sampling, logits, tokens)
@@ -151,9 +136,8 @@ class ModelRunner:
             return runs, failed
 
     def _sample(self, sampling: list[ScheduledWork], logits: torch.Tensor, tokens: torch.Tensor):
-        """Sample each work that is not greedy with its request's own generator: its token into ``tokens``
-        (greedy ones keep the argmax), or for a work with guesses a verdict tensor [accepted, token].
-        Returns each work's first row, the verdicts, and the requests that failed here, with the error."""
+        """Sample each non-greedy work with its request's generator: its token into ``tokens``, or a verdict [accepted,
+        token] for a work with guesses. Returns each work's first row, the verdicts, the failed requests."""
         rows, verdicts, failed = [], [], []
         row = 0
         for work in sampling:
@@ -164,7 +148,6 @@ class ModelRunner:
                     generator = self._generators[request.request_id]
                     if work.draft_token_ids:
                         from enginelib.speed.speculative import rejection_sample
-
                         verdicts.append(rejection_sample(logits[row:row + n], work.draft_token_ids, request.params,
                                                          generator))
                     else:
@@ -176,9 +159,7 @@ class ModelRunner:
 
     @staticmethod
     def _logprobs(sampling: list[ScheduledWork], rows: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Each sampled token's log-probabilities, for the requests that ask (``params.logprobs``), appended to
-        the request; a step where none asks computes nothing. A work with guesses waits for its run
-        (``_run_logprobs``)."""
+        """Log-probabilities of each sampled token, for the requests that ask (runs: ``_run_logprobs``)."""
         wanted = [(w.request, row) for w, row in zip(sampling, rows)
                   if w.request.params.logprobs is not None and not w.draft_token_ids]
         if not wanted:
@@ -207,10 +188,8 @@ class ModelRunner:
 
     def _verify(self, sampling: list[ScheduledWork], tokens: torch.Tensor, rows: list[int],
                 verdicts: list[torch.Tensor], failed: list[tuple[Request, Exception]]) -> list[int | list[int]]:
-        """A step with guesses: each work's verified run (k + 1 rows for a work that guesses), from one
-        transfer to the host. A request in ``failed`` gets a placeholder."""
+        """Each work's verified run, from one transfer to the host; a request in ``failed`` gets a placeholder."""
         from enginelib.speed.speculative import accept_greedy
-
         row = len(tokens)  # the verdicts follow the tokens on the host
         host = torch.cat([tokens, *verdicts]).tolist()
         sampled = iter(zip(host[row::2], host[row + 1::2]))
@@ -232,24 +211,18 @@ class ModelRunner:
 
 
 def decode_attention_kernel(device: torch.device | str, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """The fused decode attention for ``EngineConfig(cpu_decode_kernel=True)`` on ``device`` in ``dtype``: the one
-    place that picks it. A CPU in float32 gets our C++ kernel (built here, so a failed build raises RuntimeError
-    with the compiler's last lines before the first step), a CUDA GPU Triton's (float32 or float16, and
-    bfloat16 from compute capability 8.0); both take ``(q, k, v, k_pool, v_pool, block_tables, context_lens)``,
-    write the step's K/V and return the attention. Elsewhere a ValueError says why.
-
-    The speed modules are imported here, not at the top: a plain engine loads no speed code (and no Triton)."""
+    """The fused decode attention for ``EngineConfig(cpu_decode_kernel=True)``, picked here only: our C++ kernel on a
+    float32 CPU (built now, so a failed build raises before the first step), Triton's on a CUDA GPU (bfloat16 from
+    compute capability 8.0). It writes the step's K/V and returns the attention; elsewhere: ValueError."""
     kind = torch.device(device).type
     if kind == "cpu":
         from enginelib.speed import cpu_kernels
-
         reason = cpu_kernels.unavailable(device, dtype)
         if reason is None:
             cpu_kernels.load()
             return torch.ops.enginelib.decode_attention
     elif kind == "cuda":
         from enginelib.speed import triton_kernels
-
         reason = triton_kernels.unavailable(device, dtype)
         if reason is None:
             return triton_kernels.decode_attention

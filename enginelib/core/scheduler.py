@@ -1,21 +1,7 @@
-"""The scheduler: each step, which requests run and how many tokens each computes.
-
-It decides by free memory and a token budget. Running requests go first: each
-decode takes one token; with chunked prefill (chapter 10), a prompt too long
-for what is left of the budget computes a chunk now and the rest in later
-steps, while the others keep decoding. Waiting requests are admitted in order
-while their blocks and tokens fit. When a running request needs a block and
-none is free, the most recently admitted request is *preempted by recompute*
-(its blocks freed, itself sent back to the front of the queue).
-With speculative decoding (chapter 14), a decode may also compute guessed
-tokens that the engine verifies; ``update`` then keeps only what verification
-accepted and gives back the blocks that held rejected guesses only.
-
-Blocks are the :class:`KVCacheManager`'s business; the scheduler only asks for
-them. It never touches tensors (this module does not even import the tensor
-library): the model runner turns its decisions into a batch. It alone moves a
-request between states; the output processor tells it when a stop string ends one.
-"""
+"""The scheduler: each step, which requests run and how many tokens each computes. Running requests go first (with
+chunked prefill, chapter 10, a long prompt computes a chunk of what the budget has left); waiting ones are admitted in
+order while blocks and tokens fit. A request needing a block when none is free *preempts* the latest admitted one, sent
+back to the front of the queue to be recomputed. No tensors here; it alone moves requests between states."""
 from __future__ import annotations
 
 from collections import deque
@@ -42,7 +28,6 @@ class ScheduledWork:
 @dataclass
 class SchedulerOutput:
     """One step's plan: running requests first, then newly admitted ones; and who was preempted."""
-
     scheduled: list[ScheduledWork] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -97,8 +82,7 @@ class Scheduler:
         such a decode computes its last token and the guesses that fit the budget and max_tokens."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        # 1. Running requests, oldest first. A decode takes one token; a prompt still being prefilled takes
-        #    a chunk of what the budget has left after the decodes still to come, so decodes always run.
+        # 1. Running requests, oldest first: a decode takes one token, a prefill a chunk of what later decodes leave
         decodes_left = sum(map(_decodes, self.running))
         i = 0
         while i < len(self.running):
@@ -109,7 +93,8 @@ class Scheduler:
             if num_new < 1:
                 i += 1
                 continue  # no room for a chunk this step; it keeps its blocks and goes on next step
-            guesses = self._fitting_drafts(request, drafts, budget - decodes_left - 1, i) if is_decode and drafts else []
+            guesses = (self._fitting_drafts(request, drafts, budget - decodes_left - 1, i)
+                       if is_decode and drafts else [])
             if guesses and self.kv.allocate_slots(request, 1 + len(guesses)):  # else no guesses, as a plain decode
                 out.scheduled.append(self._work(request, 1 + len(guesses), False, guesses))
                 budget -= 1 + len(guesses)
@@ -145,9 +130,8 @@ class Scheduler:
         return out
 
     def _fitting_drafts(self, request: Request, drafts: Mapping[str, Sequence[int]], room: int, i: int) -> list[int]:
-        """The guesses of ``running[i]`` that fit ``room`` tokens of budget, its max_tokens (a step emits
-        1 + guesses), and the free blocks less one for each later running request that needs a new block:
-        a guess never costs another request its step, or a preemption."""
+        """The guesses of ``running[i]`` that fit ``room`` tokens of budget, its max_tokens, and the free blocks less
+        one per later request needing a new one: a guess never costs another its step or a preemption."""
         if request.request_id not in drafts:
             return []
         left = request.params.max_tokens - len(request.output_token_ids) - 1
@@ -174,11 +158,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput, tokens: Sequence[int | Sequence[int]]) -> list[Request]:
-        """Count each scheduled request's computed tokens and append a new token to those that sampled one.
-
-        ``tokens`` holds one token per work that ``samples``, in order; for a work with guesses, the
-        verified run instead: the guesses kept, then the target's own token. Returns the requests that finished.
-        """
+        """Count computed tokens and append each sampled one. ``tokens``: one per work that ``samples``, in order (for a
+        work with guesses, its verified run). Returns the requests that finished."""
         finished = []
         sampled = iter(tokens)
         for work in out.scheduled:
@@ -205,12 +186,8 @@ class Scheduler:
         return finished
 
     def _update_verified(self, work: ScheduledWork, run: Sequence[int]) -> bool:
-        """Roll a speculative step back to what verification kept; append the run up to any stop. True if finished.
-
-        Of the 1 + k tokens computed, the last verified token and the kept guesses
-        stay in the cache; the slots of rejected guesses are simply forgotten
-        (later tokens overwrite them) and blocks holding nothing else go back.
-        """
+        """Roll a speculative step back to what verification kept and append the run up to any stop; True if it
+        finished. Rejected guesses' slots are forgotten; blocks holding nothing else go back."""
         request, kept = work.request, len(run) - 1
         if not run or kept > len(work.draft_token_ids) or list(run[:kept]) != work.draft_token_ids[:kept]:
             raise ValueError(f"a verified run must start with the kept guesses: got {list(run)} for "
@@ -238,15 +215,13 @@ class Scheduler:
         request.finish_reason = reason
 
     def fail(self, request: Request) -> None:
-        """A request's own error (the engine caught it: its sampling, its text) ends it alone, with the reason
-        "error" even if a token already ended it in this step; its blocks go back, the others go on."""
+        """A request's own error ends it alone, with reason "error" even if a token ended it this step."""
         self.finish(request, "error")
         request.finish_reason = "error"
 
     def stop(self, request: Request, num_output_tokens: int) -> None:
-        """A stop string ends the request after its first ``num_output_tokens`` tokens (the output processor
-        found it): later tokens are dropped, and the reason is "stop" even if one of them (EOS, ``max_tokens``)
-        already ended it."""
+        """A stop string ends the request after ``num_output_tokens`` tokens; later ones are dropped, and the reason is
+        "stop" even if one of them (EOS, max_tokens) already ended it."""
         del request.output_token_ids[num_output_tokens:]
         if request.is_finished:
             request.finish_reason = "stop"

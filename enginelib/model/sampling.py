@@ -29,8 +29,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token per row of logits [B, V] -> [B]."""
     if params.greedy:
         return logits.argmax(dim=-1)
@@ -40,13 +39,8 @@ def sample(logits: torch.Tensor, params: SamplingParams,
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
                    num_top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
-    """Each row's token (from ``tokens`` [B]), its log-probability, and the row's ``num_top`` most likely
-    tokens with theirs, best first.
-
-    From the raw logits [B, V] (before temperature, top-k and top-p), as vLLM reports by default
-    (``logprobs_mode="raw_logprobs"``): what the model thinks, not what the filters left. Only the rows that
-    ask come here, and everything comes to the host in one transfer.
-    """
+    """Each row's token (from ``tokens`` [B]), its log-probability, and the row's ``num_top`` likeliest tokens with
+    theirs, best first, in one transfer; from the raw logits [B, V], what the model thinks (vLLM's default)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, tokens.view(-1, 1).long())
     top = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)

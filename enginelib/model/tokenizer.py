@@ -10,8 +10,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-# Pre-tokenizer splits for byte-level BPE, named as llama.cpp names them in GGUF
-# metadata (``tokenizer.ggml.pre``). The GPT-2 rule is built into ByteLevel.
+# Byte-level BPE pre-tokenizer splits, by llama.cpp's names (``tokenizer.ggml.pre``); GPT-2's is built into ByteLevel
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -25,17 +24,14 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre == "smollm":  # every digit on its own, then the GPT-2 rule
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("qwen2", "llama-bpe"):
-        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT),
-                                     behavior="isolated")
-        return pre_tokenizers.Sequence(
-            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: gpt2, smollm, qwen2, llama-bpe. "
                      "Load the model's safetensors checkpoint with its tokenizer.json instead.")
 
 
 def _check_messages(messages: object) -> None:
-    """Refuse a malformed chat before rendering: a Jinja template would render it silently, or fail
-    with an error about the template rather than about the messages."""
+    """Refuse a malformed chat before rendering: a template would render it silently, or fail obscurely."""
     example = "[{'role': 'user', 'content': 'Hello'}]"
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"a chat needs a non-empty list of messages, got {messages!r}: pass e.g. {example}")
@@ -64,8 +60,7 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        # encode_batch, not encode: the same ids, but it lets go of Python's interpreter lock while it works, so
-        # tokenizing a long prompt in a server's worker thread does not stall its event loop (or engine thread)
+        # encode_batch, unlike encode, releases the GIL: a long prompt tokenized in a server thread stalls nothing else
         ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
 
@@ -91,7 +86,6 @@ class Tokenizer:
 
         def raise_exception(message: str) -> None:
             raise ValueError(f"chat template: {message}")
-
         env.globals["raise_exception"] = raise_exception
         special = lambda i: None if i is None else self.backend.id_to_token(i)  # noqa: E731
         return env.from_string(self.chat_template).render(
@@ -134,29 +128,19 @@ class Tokenizer:
             tok = config.get(name)
             tok = tok.get("content") if isinstance(tok, dict) else tok
             return backend.token_to_id(tok) if tok else None
-
         eos = eos_token_id if eos_token_id is not None else token_id("eos_token")
         if eos is None:
             raise ValueError(f"cannot tell the end-of-sequence token of {path}: set eos_token in tokenizer_config.json")
         return cls(backend, eos_token_id=eos, bos_token_id=token_id("bos_token"),
-                   chat_template=config.get("chat_template"),
-                   add_bos=bool(config.get("add_bos_token", False)))
+                   chat_template=config.get("chat_template"), add_bos=bool(config.get("add_bos_token", False)))
 
 
 @dataclass
 class IncrementalDetokenizer:
-    """A growing token list's text, decoding only a small window per new token.
-
-    Decoding the whole output at every step costs O(n) per token, O(n^2) per
-    request. As vLLM's incremental detokenizer does, keep two offsets: text up to
-    ``read_offset`` is final; each step decodes ``ids[prefix_offset:]`` and
-    ``ids[prefix_offset:read_offset]`` and keeps what the first adds to the
-    second. Decoding from ``prefix_offset`` rather than ``read_offset`` gives
-    the tokenizer the left context it needs (a SentencePiece decoder drops the
-    space of a word that starts the text). A window that ends in a partial
-    UTF-8 character (U+FFFD) waits for the next token.
-    """
-
+    """A growing token list's text, decoding a small window per new token (decoding it all each step is O(n^2) per
+    request). As in vLLM, text up to ``read_offset`` is final; each step decodes ``ids[prefix_offset:]`` and
+    ``ids[prefix_offset:read_offset]`` and keeps what the first adds (the tokens before are context: a SentencePiece
+    decoder drops a text's leading space). A window ending in a partial character (U+FFFD) waits for the next token."""
     tokenizer: Tokenizer
     skip_special_tokens: bool = True
     text: str = ""

