@@ -49,6 +49,11 @@ from enginelib.speed.quant import kernel_unavailable, load_quantized, quant_info
 # takes longer than all the rest of a quick run on a 2-core CPU.
 SLOW_SECTIONS = ("hf", "serve", "spec_decode", "quant", "compile", llama.NAME)
 
+
+def offered_sections() -> tuple[str, ...]:
+    """The slow sections this machine can run: llama.cpp's only where llama-cpp-python imports."""
+    return tuple(s for s in SLOW_SECTIONS if s != llama.NAME or llama.available())
+
 if TYPE_CHECKING:
     from enginelib.serve import ServerProcess  # imported when used: the server stack is not needed offline
 
@@ -60,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "add slow sections with --sections")
     ap.add_argument("--workload", default="seed", help=f"comma-separated, from {', '.join(WORKLOADS)}, or 'all'")
     offered = SYSTEMS + ((llama.NAME,) if llama.available() else ())  # llama.cpp's only where it imports
-    slow = tuple(s for s in SLOW_SECTIONS if s != llama.NAME or llama.available())
+    slow = offered_sections()
     ap.add_argument("--systems", default=None,
                     help=f"comma-separated, from {', '.join(offered)} (default: {', '.join(SYSTEMS)}"
                          + (f", and {llama.NAME} when its section runs)" if llama.NAME in offered else ")"))
@@ -164,7 +169,7 @@ def parse_sections(ap: argparse.ArgumentParser, value: str | None, quick: bool) 
     if value is None:
         value = "none" if quick else "all"
     if value in ("all", "none"):
-        return {s for s in SLOW_SECTIONS if s != llama.NAME or llama.available()} if value == "all" else set()
+        return set(offered_sections()) if value == "all" else set()
     names = {s.strip() for s in value.split(",") if s.strip()}
     for name in sorted(names):
         if name == llama.NAME and (why := llama.import_error()):
@@ -289,7 +294,7 @@ def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, .
         report["concurrency"] = budget
         report["concurrency_ratio"] = budget["paged"] / budget["contiguous"]
     print_summary(report)
-    if skipped := [s for s in SLOW_SECTIONS if s not in sections and (s != llama.NAME or llama.available())]:
+    if skipped := [s for s in offered_sections() if s not in sections]:
         print(f"slow sections not run: {', '.join(skipped)} (add them with --sections NAME,... or --sections all)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
