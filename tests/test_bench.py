@@ -35,7 +35,8 @@ SCHEMA = [  # the core: every run has these
 ]
 SECTION_SCHEMA = {  # the slow sections (--sections): checked where the run has them
     "serve": ["serve.throughput_ratio", "serve.server_tok_per_s", "serve.offline_tok_per_s", "serve.concurrency",
-              "serve.ttft_p50", "serve.ttft_p99", "serve.tpot_p50", "serve.tpot_p99", "serve.ttft_overhead_ms", "serve.refused_flood"],
+              "serve.ttft_p50", "serve.ttft_p99", "serve.tpot_p50", "serve.tpot_p99", "serve.ttft_overhead_ms",
+              "serve.refused_flood", "serve.engine_cpus", "serve.client_cpus"],
     "spec_decode": [
         "spec_decode.speedup_b1", "spec_decode.acceptance", "spec_decode.mean_accepted_length", "spec_decode.k",
         "spec_decode.tok_per_s", "spec_decode.tok_per_s_plain", "spec_decode.texts_equal", "spec_decode.draft",
@@ -107,7 +108,12 @@ def check_serve(serve: dict) -> None:
     assert 0 < serve["ttft_p50"] <= serve["ttft_p99"] and 0 < serve["tpot_p50"] <= serve["tpot_p99"]
     assert 0 < serve["ttft_alone_p50"] < serve["ttft_p50"]  # alone, no queue: sooner than under 32 streams
     assert serve["ttft_overhead_ms"] < 1000 * serve["ttft_alone_p50"]
-    if (flood := serve["refused_flood"]) is not None:  # Linux, 2+ CPUs: a live stream beside refused prompts
+    if serve["engine_cpus"] is not None:  # Linux, 2+ CPUs: the engine's CPUs apart from the client's
+        engine, client = set(serve["engine_cpus"]), set(serve["client_cpus"])
+        assert engine and client and not engine & client and engine | client <= os.sched_getaffinity(0)
+    assert (serve["refused_flood"] is None) == (serve["engine_cpus"] is None)  # the flood needs the split too
+    if (flood := serve["refused_flood"]) is not None:  # a live stream beside refused prompts
+        assert flood["engine_cpus"] == serve["engine_cpus"]
         assert flood["refused_per_s"] > 0 and flood["ratio"] == pytest.approx(
             flood["flooded_tok_per_s"] / statistics.mean(flood["quiet_tok_per_s"]))
     assert serve["texts_equal"] > 0.5, "greedy: the server says what the offline engine says (near-ties aside)"

@@ -31,7 +31,7 @@ from enginelib.bench.report import print_summary, print_table, progress, through
 from enginelib.bench.results import SystemResult, check_same_tokens, same_texts
 from enginelib.bench.roofline import decode_step_time, engine_decode_step_time, roofline_figures
 from enginelib.bench.scheduling import chunked_prefill_effect, prefix_cache_effect
-from enginelib.bench.serving import refused_flood_effect, serve_args, serve_effect
+from enginelib.bench.serving import refused_flood_effect, serve_args, serve_effect, split_cpus
 from enginelib.bench.spec_decode import spec_decode_effect
 from enginelib.bench.systems import SYSTEMS, run_engine, run_one_at_a_time, run_static
 from enginelib.bench.workloads import WORKLOADS, BenchRequest, Workload, chat_prompt, make_workload
@@ -144,7 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "serve" in sections:  # our server loads its model while we load ours; it idles until the serve section
         from enginelib.serve import ServerProcess
 
-        server = ServerProcess(serve_args(args, device, threads, config, args.concurrency)).launch()
+        cpus = split_cpus(threads)  # the engine core on its CPUs from the start: the serve section's split
+        flags = serve_args(args, device, threads, config, args.concurrency, cpus[0] if cpus else None)
+        server = ServerProcess(flags).launch()
     try:
         with progress("load the model" + (" (and start our server)" if server is not None else "")):
             model, tok = load_model(args.model, device=device, progress=False, pack=False if args.no_pack else None,
@@ -261,8 +263,9 @@ def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, .
     if server is not None:
         with progress("serve"):
             wl0 = make_workload(workloads[0], tok, args.quick, args.rate)
-            report["serve"] = serve_effect(server, model, tok, wl0, config, args.concurrency)
-            report["serve"]["refused_flood"] = refused_flood_effect(16 if args.quick else 48)
+            cpus = split_cpus(threads)  # the split the server was started with
+            report["serve"] = serve_effect(server, model, tok, wl0, config, args.concurrency, cpus)
+            report["serve"]["refused_flood"] = refused_flood_effect(server, cpus, 16 if args.quick else 48)
         if args.no_pack:
             report["serve"]["note"] += "; the server packs its linears (serve has no --no-pack)"
     report["ratios"]["single_stream_vs_hf"] = report.pop("single_stream_vs_hf")

@@ -91,7 +91,9 @@ def print_summary(report: dict) -> None:
               f"(ratio {c['itl_p99_ratio']:.2f})")
     if "serve" in report:
         s = report["serve"]
-        print(f"serve ({s['concurrency']} streams, {s['requests']} requests): server {s['server_tok_per_s']:.1f} tok/s "
+        where = f", engine on CPUs {s['engine_cpus']}, client on {s['client_cpus']}" if s["engine_cpus"] else ""
+        print(f"serve ({s['concurrency']} streams, {s['requests']} requests{where}): "
+              f"server {s['server_tok_per_s']:.1f} tok/s "
               f"vs offline {s['offline_tok_per_s']:.1f} tok/s = {s['throughput_ratio']:.2f}x; TTFT p50 "
               f"{_fmt(s['ttft_p50'], 1e3, 0)} ms (alone: offline + {s['ttft_overhead_ms']:.0f} ms), p99 "
               f"{_fmt(s['ttft_p99'], 1e3, 0)} ms; TPOT p50 "
@@ -99,7 +101,7 @@ def print_summary(report: dict) -> None:
               f"{_fmt(s['texts_equal'], 100, 0)}% of texts equal the offline engine's")
         if (flood := s.get("refused_flood")) is not None:
             print(f"serve: a live stream beside {flood['refused_per_s']:.0f} refused prompts/s runs at "
-                  f"{flood['ratio']:.2f}x its speed without them (the engine core pinned to CPU {flood['engine_cpu']})")
+                  f"{flood['ratio']:.2f}x its speed without them (engine core on CPUs {flood['engine_cpus']})")
     if "spec_decode" in report:
         d = report["spec_decode"]
         g, e = d["ngram"], d["extractive"]
