@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -30,13 +31,14 @@ from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverload
 from .test_stop_strings import ending_in_token
 
 MODEL = "smollm2-135m"
+HEAD_TIMEOUT = 2.0  # --timeout-head of the module's server
 PROMPTS = [f"Here is fact number {i} about the {w}:" for i, w in
            enumerate(["sea", "moon", "forest", "desert", "city", "river", "mountain", "sky"] * 8)]
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(["--max-num-seqs", "32"], timeout=240) as s:
+    with ServerProcess(["--max-num-seqs", "32", "--timeout-head", str(HEAD_TIMEOUT)], timeout=240) as s:
         yield s
 
 
@@ -294,6 +296,38 @@ def test_server_keeps_serving_after_bad_requests(server, client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "Hi"}])
     wait_idle(server)
+
+
+def _closed_after(sock: socket.socket, limit: float = 30.0) -> tuple[float, bytes]:
+    """Seconds until the server closes ``sock``, and what it sent before."""
+    start, got = time.monotonic(), b""
+    sock.settimeout(limit)
+    while chunk := sock.recv(65536):
+        got += chunk
+    return time.monotonic() - start, got
+
+
+def test_a_head_that_never_ends_loses_its_connection(server):
+    """Slowloris: half a request line, then silence; or a second request trickled down a kept-alive connection.
+    Each connection is closed once --timeout-head has passed, while a slow head within the limit is served."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        waited, got = _closed_after(sock)
+        assert got == b"" and HEAD_TIMEOUT - 0.5 < waited < HEAD_TIMEOUT + 5
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET /hea")  # the next request on the kept-alive connection, never finished
+        waited, _ = _closed_after(sock)
+        assert HEAD_TIMEOUT - 0.5 < waited < HEAD_TIMEOUT + 5
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        time.sleep(HEAD_TIMEOUT / 2)
+        sock.sendall(b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+        time.sleep(HEAD_TIMEOUT)  # the head is in: the body has its own, longer deadline
+        sock.sendall(body)
+        assert _closed_after(sock)[1].startswith(b"HTTP/1.1 200")
 
 
 def test_full_queue_gets_503_with_retry_after():

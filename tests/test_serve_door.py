@@ -14,11 +14,13 @@ import time
 from dataclasses import dataclass
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from enginelib.config import EngineConfig
 from enginelib.core.engine import Engine
+from enginelib.model.transformer import ModelConfig, Transformer
 from enginelib.serve.app import build_app
 from enginelib.serve.async_engine import AsyncEngine
 
@@ -159,6 +161,18 @@ BODY = st.fixed_dictionaries(
               "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | anything,
               "include_stop_str_in_output": st.booleans() | anything})
 
+# Well-typed bodies with edge values: most reach the engine, where a value that slips through validation would fail
+# (a 500) or stop the step. Temperatures down to the smallest subnormal: logits / 1e-39 overflow to inf.
+TINY = st.floats(0, 1e-30) | st.sampled_from([5e-324, 1e-45, 1e-39, 1e-38, 1e-6, 1e-5])
+EDGY = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "max_tokens": st.integers(1, 3)},
+    optional={"prompt": st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 49151), min_size=1, max_size=6),
+              "temperature": TINY | st.floats(0, 4), "top_p": st.floats(0, 1) | st.sampled_from([5e-324, 1e-9, 1.0]),
+              "top_k": st.integers(-2, 60_000) | st.sampled_from([-1, 0, 1, 49151, 49152]),
+              "seed": st.integers(-2**65, 2**65) | st.sampled_from([0, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -1]),
+              "n": st.integers(1, 3), "logprobs": st.integers(0, 6), "ignore_eos": st.booleans(),
+              "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3), "stream": st.booleans()})
+
 
 def _idle(engine: AsyncEngine, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
@@ -170,10 +184,21 @@ def _idle(engine: AsyncEngine, timeout: float = 5.0) -> bool:
     return False
 
 
-@settings(max_examples=int(os.environ.get("ENGINELIB_FUZZ_EXAMPLES", "400")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
-@given(body=BODY, chat=st.booleans(), junk=st.sampled_from([None, b"", b"{", b"\xff\xfe", b"[]", b"null"]))
-def test_no_generated_body_stops_the_engine(served, body, chat, junk):
+FUZZ_EXAMPLES = int(os.environ.get("ENGINELIB_FUZZ_EXAMPLES", "2000"))
+
+
+def fuzz(examples: int):
+    """Hypothesis draws ``examples`` bodies (and a route, and now and then bytes that are not JSON at all)."""
+    def decorate(test):
+        return settings(max_examples=examples, deadline=None,
+                        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])(
+            given(body=BODY | EDGY, chat=st.booleans(), junk=st.sampled_from([None, b"", b"{", b"\xff\xfe", b"[]", b"null"]))(
+                test))
+    return decorate
+
+
+def survives(served, body: dict, chat: bool, junk: bytes | None) -> None:
+    """One generated request gets a 200 or an OpenAI 4xx; then the engine is alive and idle, and serves."""
     engine, app = served
     raw = junk if junk is not None else json.dumps(body).encode()
     response = call(app, "POST", "/v1/chat/completions" if chat else "/v1/completions", body=raw)
@@ -183,3 +208,39 @@ def test_no_generated_body_stops_the_engine(served, body, chat, junk):
     assert engine.is_running, engine.error
     assert _idle(engine), engine.stats
     assert call(app, "POST", "/v1/completions", body=json.dumps(GOOD).encode()).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def toy_served(real):
+    """The same app and engine over a toy model (random weights; the real tokenizer, vocabulary and context):
+    a request costs milliseconds instead of the real model's ~0.1 s, so thousands of bodies fit in CI."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(vocab_size=real[0].cfg.vocab_size, context_length=real[0].cfg.context_length)
+    toy = Transformer(cfg).to(real[0].device).eval().requires_grad_(False)
+    engine = AsyncEngine(Engine(toy, real[1], EngineConfig(num_blocks=64)), max_waiting=None)
+    yield engine, build_app(engine, MODEL, api_key=KEY, loopback_only=True)
+    engine.shutdown()
+
+
+@fuzz(FUZZ_EXAMPLES)
+def test_no_generated_body_stops_the_engine(toy_served, body, chat, junk):
+    survives(toy_served, body, chat, junk)
+
+
+@fuzz(FUZZ_EXAMPLES // 10)
+def test_no_generated_body_stops_the_engine_of_the_real_model(served, body, chat, junk):
+    """The real model's logits (larger than the toy's) meet the tiny temperatures and odd top-p/top-k values."""
+    survives(served, body, chat, junk)
+
+
+def test_the_deadlines_the_chapter_names_are_the_defaults():
+    from pathlib import Path
+
+    from enginelib.serve.app import BODY_TIMEOUT, parse_args
+
+    args = parse_args([])
+    chapter = (Path(__file__).parents[1] / "book" / "11_serving.ipynb").read_text()
+    for flag, value in {"--max-connections": args.max_connections, "--timeout-head": args.timeout_head,
+                        "--timeout-keep-alive": args.timeout_keep_alive}.items():
+        assert f"`{flag}` ({value:g})" in chapter or f"`{flag}` seconds ({value:g};" in chapter, flag
+    assert f"its body {BODY_TIMEOUT:g}," in chapter

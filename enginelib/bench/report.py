@@ -95,7 +95,7 @@ def print_summary(report: dict) -> None:
         print(f"serve ({s['concurrency']} streams, {s['requests']} requests{where}): "
               f"server {s['server_tok_per_s']:.1f} tok/s "
               f"vs offline {s['offline_tok_per_s']:.1f} tok/s = {s['throughput_ratio']:.2f}x; TTFT p50 "
-              f"{_fmt(s['ttft_p50'], 1e3, 0)} ms (alone: offline + {s['ttft_overhead_ms']:.0f} ms), p99 "
+              f"{_fmt(s['ttft_p50'], 1e3, 0)} ms (alone: offline {s['ttft_overhead_ms']:+.0f} ms), p99 "
               f"{_fmt(s['ttft_p99'], 1e3, 0)} ms; TPOT p50 "
               f"{_fmt(s['tpot_p50'], 1e3, 0)} ms, p99 {_fmt(s['tpot_p99'], 1e3, 0)} ms; "
               f"{_fmt(s['texts_equal'], 100, 0)}% of texts equal the offline engine's")

@@ -24,6 +24,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens ranked above it already cover top_p.
         outside = probs.cumsum(dim=-1) - probs >= params.top_p
+        outside[..., 0] = False  # the likeliest always stays: a top_p below float32's range compares as 0 >= 0
         sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     return logits

@@ -581,6 +581,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="open connections at most; past it new ones get a 503 (uvicorn's limit_concurrency)")
     p.add_argument("--timeout-keep-alive", type=float, default=5.0,
                    help="seconds an idle connection stays open between requests")
+    p.add_argument("--timeout-head", type=float, default=10.0,
+                   help="seconds a client has to send a request's line and headers before its connection is closed")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="shut down when this process is gone (ServerProcess passes its own: a killed notebook "
@@ -659,6 +661,8 @@ def make_engine(args: argparse.Namespace) -> AsyncEngine | EngineCoreClient:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
+    from enginelib.serve.slow_clients import head_timeout_protocol
+
     args = parse_args(argv)
     if args.parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), name="parent-watch", daemon=True).start()
@@ -669,7 +673,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"enginelib serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections)
+                    timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections,
+                    http=head_timeout_protocol(args.timeout_head))
     finally:
         engine.shutdown()
     if engine.error is not None:  # a supervisor (systemd, Kubernetes) restarts a process that exits non-zero
