@@ -345,6 +345,32 @@ def test_full_queue_gets_503_with_retry_after():
     assert server.process.returncode is not None
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the engine core through /proc (Linux)")
+def test_a_dead_engine_core_stops_the_server():
+    """vLLM's rule: once the engine is gone, /health stops answering 200 and the server exits non-zero, so that a
+    supervisor restarts it (a live process with a dead engine would answer every request with an error)."""
+    server = ServerProcess(["--num-blocks", "16"], timeout=240).start()
+    try:
+        pid = server.process.pid
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        core, = (int(c) for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read())
+        os.kill(core, 9)  # the engine core, as the OOM killer would end it
+        killed, health = time.monotonic(), []
+        while server.process.poll() is None and time.monotonic() < killed + 60:
+            try:
+                health.append((_get(server, "/health")[0], round(time.monotonic() - killed, 3)))
+            except OSError:  # the server has stopped listening
+                pass
+            time.sleep(0.01)
+        assert server.process.poll() == 1, server.output()  # not killed by a signal: systemd restarts only failures
+        # 200 until the kernel has torn the core down and closed its pipe (~0.1 s here), then never again
+        first = next(i for i, (status, _) in enumerate(health) if status != 200)
+        assert health[first][1] < 2 and {status for status, _ in health[first:]} == {503}, health
+        assert "the engine loop stopped" in server.output()
+    finally:
+        server.stop()
+
+
 def test_the_server_exits_when_its_parent_dies(tmp_path):
     """ServerProcess passes --parent-pid: a parent killed without stopping it (a notebook kernel) leaves no server."""
     script = tmp_path / "parent.py"

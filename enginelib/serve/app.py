@@ -47,6 +47,8 @@ from enginelib.serve.guard import Guard, error_object, is_loopback
 from enginelib.serve.metrics import ServerMetrics
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from enginelib.core.engine import Engine
     from enginelib.model.transformer import Transformer
     from enginelib.serve.engine_core import EngineCoreClient
@@ -664,36 +666,40 @@ def main(argv: list[str] | None = None) -> None:
     from enginelib.serve.slow_clients import head_timeout_protocol
 
     args = parse_args(argv)
-    if args.parent_pid is not None:
-        threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), name="parent-watch", daemon=True).start()
     engine = make_engine(args)
     app = build_app(engine, args.served_model_name or str(args.model), max_body_bytes=args.max_body_bytes,
                     api_key=args.api_key, loopback_only=is_loopback(args.host))
-    threading.Thread(target=_exit_if_engine_dies, args=(engine,), name="engine-watch", daemon=True).start()
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
+        limit_concurrency=args.max_connections, http=head_timeout_protocol(args.timeout_head)))
+    if args.parent_pid is not None:
+        threading.Thread(target=_exit_with_parent, args=(args.parent_pid, server), name="parent-watch",
+                         daemon=True).start()
+    threading.Thread(target=_exit_if_engine_dies, args=(engine, server), name="engine-watch", daemon=True).start()
     print(f"enginelib serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections,
-                    http=head_timeout_protocol(args.timeout_head))
+        server.run()
     finally:
         engine.shutdown()
     if engine.error is not None:  # a supervisor (systemd, Kubernetes) restarts a process that exits non-zero
         raise SystemExit(f"the engine loop stopped: {engine.error!r}")
 
 
-def _exit_if_engine_dies(engine: AsyncEngine) -> None:
-    """When the engine loop stops on an error, stop the server too (uvicorn's clean shutdown on SIGTERM), as
-    vLLM does: /health already answers 503, and a live process with a dead engine would serve only errors."""
+def _exit_if_engine_dies(engine: AsyncEngine, server: "uvicorn.Server") -> None:
+    """When the engine loop stops on an error, stop the server too (uvicorn's clean shutdown), as vLLM does:
+    /health already answers 503, and a live process with a dead engine would serve only errors. ``main`` then
+    exits with status 1 (not by a signal: systemd counts a death by SIGTERM as a clean exit, and would not
+    restart it)."""
     engine.join()
     if engine.error is not None:
-        os.kill(os.getpid(), signal.SIGTERM)
+        server.should_exit = True
 
 
-def _exit_with_parent(parent: int, every: float = 1.0) -> None:
-    """Send ourselves SIGTERM (uvicorn's clean shutdown) once ``parent`` has exited: we were re-parented."""
+def _exit_with_parent(parent: int, server: "uvicorn.Server", every: float = 1.0) -> None:
+    """Shut down (uvicorn's clean shutdown) once ``parent`` has exited: we were re-parented."""
     while os.getppid() == parent:
         time.sleep(every)
-    os.kill(os.getpid(), signal.SIGTERM)
+    server.should_exit = True
 
 
 def free_port() -> int:

@@ -161,6 +161,7 @@ class EngineCoreClient:
                     return
         except (EOFError, OSError):  # the pipe closed: the core exited (shut down, or killed)
             if not self._stopping:
+                self.error = EngineDead("the engine core exited")  # at once: /health answers 503 from now on
                 self.process.join(5)  # reap it, for its exit code
                 self.error = error = EngineDead(f"the engine core exited with code {self.process.exitcode}")
         finally:
