@@ -27,6 +27,7 @@ from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 
 ALONE, ALONE_ROUNDS = 8, 3  # requests sent one at a time for the server's TTFT overhead, and rounds of them
+FLOOD_ROUNDS = 3  # streams beside refused prompts, each after a quiet one
 
 if TYPE_CHECKING:
     from enginelib.serve import ServerProcess  # imported when used: the server stack is not needed offline
@@ -158,15 +159,16 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
             "texts_equal": same_texts(served, offline), "note": served.note}
 
 
-def refused_flood_effect(server: ServerProcess, cpus: tuple[set[int], set[int]] | None, tokens: int = 48
-                         ) -> dict | None:
+def refused_flood_effect(server: ServerProcess, cpus: tuple[set[int], set[int]] | None, tokens: int = 48,
+                         rounds: int = FLOOD_ROUNDS) -> dict | None:
     """One live stream's speed while two clients keep sending prompts the server refuses (past the context), as
     a ratio to its speed without them: what refusals cost the engine.
 
     The server is :func:`serve_effect`'s, its engine core on ``cpus[0]``, everything else (the API process, the
     clients, this one) on ``cpus[1]``, so the ratio shows the engine's own work, not the sharing of cores on a
     small machine. One client's prompts are long enough to refuse by their length alone, the other's must be
-    tokenized first. None without ``cpus`` (not Linux, or one CPU).
+    tokenized first. Quiet and flooded streams take turns, ``rounds`` of each after a quiet one (medians), so a
+    drift of the machine's speed falls on both. None without ``cpus`` (not Linux, or one CPU).
     """
     if cpus is None:
         return None
@@ -174,24 +176,25 @@ def refused_flood_effect(server: ServerProcess, cpus: tuple[set[int], set[int]] 
     with _on_cpus(cpus[1]):  # this thread, and the flooding threads it starts
         name = served_model_name(server.url)
         _stream_tok_per_s(server.url, name, 8)  # warm-up
-        quiet = [_stream_tok_per_s(server.url, name, tokens)]
-        stop, refused = threading.Event(), [0]
+        quiet, flooded, refused, seconds = [_stream_tok_per_s(server.url, name, tokens)], [], [0], 0.0
+        for _ in range(rounds):
+            stop = threading.Event()
 
-        def flood(prompt: str) -> None:
-            while not stop.is_set():
-                refused[0] += _post(server.url, {"model": name, "prompt": prompt, "max_tokens": 4}) == 400
-        floods = [threading.Thread(target=flood, args=("word " * n,), daemon=True) for n in (150_000, 40_000)]
-        for thread in floods:
-            thread.start()
-        start = time.perf_counter()
-        flooded = _stream_tok_per_s(server.url, name, tokens)
-        seconds = time.perf_counter() - start
-        stop.set()
-        for thread in floods:
-            thread.join()
-        quiet.append(_stream_tok_per_s(server.url, name, tokens))  # before and after: a drift shows
-    return {"ratio": flooded / statistics.mean(quiet), "quiet_tok_per_s": quiet, "flooded_tok_per_s": flooded,
-            "refused_per_s": refused[0] / seconds, "engine_cpus": sorted(cpus[0])}
+            def flood(prompt: str) -> None:
+                while not stop.is_set():
+                    refused[0] += _post(server.url, {"model": name, "prompt": prompt, "max_tokens": 4}) == 400
+            floods = [threading.Thread(target=flood, args=("word " * n,), daemon=True) for n in (150_000, 40_000)]
+            for thread in floods:
+                thread.start()
+            start = time.perf_counter()
+            flooded.append(_stream_tok_per_s(server.url, name, tokens))
+            seconds += time.perf_counter() - start
+            stop.set()
+            for thread in floods:
+                thread.join()
+            quiet.append(_stream_tok_per_s(server.url, name, tokens))
+    return {"ratio": statistics.median(flooded) / statistics.median(quiet), "quiet_tok_per_s": quiet,
+            "flooded_tok_per_s": flooded, "refused_per_s": refused[0] / seconds, "engine_cpus": sorted(cpus[0])}
 
 
 def _ttft_plain(url: str, name: str, prompt_ids: list[int]) -> float:
