@@ -677,8 +677,11 @@ def main(argv: list[str] | None = None) -> None:
                          daemon=True).start()
     threading.Thread(target=_exit_if_engine_dies, args=(engine, server), name="engine-watch", daemon=True).start()
     print(f"enginelib serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM, like Ctrl-C, raises KeyboardInterrupt
     try:
-        server.run()
+        server.run()  # on a signal: uvicorn's clean shutdown, then it raises the signal again, here
+    except KeyboardInterrupt:
+        print("enginelib server stopped by a signal", flush=True)
     finally:
         engine.shutdown()
     if engine.error is not None:  # a supervisor (systemd, Kubernetes) restarts a process that exits non-zero
