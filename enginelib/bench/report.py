@@ -99,6 +99,11 @@ def print_summary(report: dict) -> None:
               f"{_fmt(s['ttft_p99'], 1e3, 0)} ms; TPOT p50 "
               f"{_fmt(s['tpot_p50'], 1e3, 0)} ms, p99 {_fmt(s['tpot_p99'], 1e3, 0)} ms; "
               f"{_fmt(s['texts_equal'], 100, 0)}% of texts equal the offline engine's")
+        stolen = {k: v for k, v in s["steal"].items() if v is not None and v >= 0.01}
+        if stolen:  # a shared VM: the hypervisor ran another guest on these CPUs meanwhile
+            names = {"engine_cpus": "the engine's CPUs'", "client_cpus": "the client's CPUs'"}
+            print("serve: the hypervisor took " + " and ".join(f"{v:.0%} of {names[k]} time" for k, v in stolen.items())
+                  + " during the section (another guest ran there: timings are noisier)")
         if (flood := s.get("refused_flood")) is not None:
             print(f"serve: a live stream beside {flood['refused_per_s']:.0f} refused prompts/s runs at "
                   f"{flood['ratio']:.2f}x its speed without them (engine core on CPUs {flood['engine_cpus']})")

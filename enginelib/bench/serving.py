@@ -64,6 +64,26 @@ def pin_process(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
+def cpu_times() -> dict[int, tuple[int, int]] | None:
+    """Each CPU's (stolen, total) clock ticks so far, from /proc/stat (Linux; None elsewhere). Stolen time is
+    time the hypervisor gave another guest: on a shared VM it slows one CPU and not the other."""
+    try:
+        with open("/proc/stat") as f:
+            rows = [line.split() for line in f if line.startswith("cpu") and line[3].isdigit()]
+    except OSError:
+        return None
+    return {int(r[0][3:]): (int(r[8]) if len(r) > 8 else 0, sum(int(x) for x in r[1:9])) for r in rows}
+
+
+def steal_share(before: dict | None, after: dict | None, cpus: set[int] | None) -> float | None:
+    """The share of ``cpus``' time stolen between two :func:`cpu_times`."""
+    if before is None or after is None or not cpus:
+        return None
+    stolen = sum(after[c][0] - before[c][0] for c in cpus)
+    total = sum(after[c][1] - before[c][1] for c in cpus)
+    return stolen / total if total else 0.0
+
+
 @contextlib.contextmanager
 def _on_cpus(cpus: set[int] | None, threads: int | None = None) -> Iterator[None]:
     """This process on ``cpus`` with ``threads`` torch threads, put back as they were on exit (no-op for None)."""
@@ -125,6 +145,7 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
     from enginelib.serve.loadgen import run_load_sync  # imported when used: it pulls in the openai client
 
     engine_cpus, client_cpus = cpus or (None, None)
+    times = cpu_times()
     if client_cpus is not None:
         pin_process(server.process.pid, client_cpus)  # the API process; its engine core pinned itself
     flat = Workload(wl.name, [dataclasses.replace(r, arrival_step=0) for r in wl.requests], wl.ignore_eos)
@@ -148,6 +169,7 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
         with _on_cpus(client_cpus):
             served_alone += [_ttft_plain(server.url, name, r.prompt_ids) for r in alone]
     overhead = statistics.median(served_alone) - statistics.median(offline_alone)
+    now = cpu_times()
     return {"throughput_ratio": served.tok_per_s / offline.tok_per_s, "server_tok_per_s": served.tok_per_s,
             "offline_tok_per_s": offline.tok_per_s, "concurrency": concurrency, "requests": len(flat.requests),
             "engine_cpus": sorted(engine_cpus) if engine_cpus else None,
@@ -156,6 +178,9 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
             "tpot_p50": nearest_rank(served.tpot, 50), "tpot_p99": nearest_rank(served.tpot, 99),
             "offline_ttft_p50": nearest_rank(offline.ttft, 50), "offline_tpot_p50": nearest_rank(offline.tpot, 50),
             "ttft_overhead_ms": 1000 * overhead, "ttft_alone_p50": statistics.median(served_alone),
+            "offline_ttft_alone_p50": statistics.median(offline_alone),
+            "steal": {"engine_cpus": steal_share(times, now, engine_cpus),
+                      "client_cpus": steal_share(times, now, client_cpus)},
             "texts_equal": same_texts(served, offline), "note": served.note}
 
 
