@@ -12,6 +12,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from enginelib.config import EngineConfig
 from enginelib.core.engine import Engine
 from enginelib.model.transformer import ModelConfig, Transformer
-from enginelib.serve.app import build_app
+from enginelib.serve.app import BODY_TIMEOUT, build_app, parse_args
 from enginelib.serve.async_engine import AsyncEngine
 
 MODEL = "smollm2-135m"
@@ -184,6 +185,7 @@ def _idle(engine: AsyncEngine, timeout: float = 5.0) -> bool:
     return False
 
 
+JUNK = st.sampled_from([None, b"", b"{", b"\xff\xfe", b"[]", b"null"])  # bytes that are not a JSON object
 FUZZ_EXAMPLES = int(os.environ.get("ENGINELIB_FUZZ_EXAMPLES", "2000"))
 
 
@@ -192,8 +194,7 @@ def fuzz(examples: int):
     def decorate(test):
         return settings(max_examples=examples, deadline=None,
                         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])(
-            given(body=BODY | EDGY, chat=st.booleans(), junk=st.sampled_from([None, b"", b"{", b"\xff\xfe", b"[]", b"null"]))(
-                test))
+            given(body=BODY | EDGY, chat=st.booleans(), junk=JUNK)(test))
     return decorate
 
 
@@ -234,10 +235,6 @@ def test_no_generated_body_stops_the_engine_of_the_real_model(served, body, chat
 
 
 def test_the_deadlines_the_chapter_names_are_the_defaults():
-    from pathlib import Path
-
-    from enginelib.serve.app import BODY_TIMEOUT, parse_args
-
     args = parse_args([])
     chapter = (Path(__file__).parents[1] / "book" / "11_serving.ipynb").read_text()
     for flag, value in {"--max-connections": args.max_connections, "--timeout-head": args.timeout_head,
