@@ -9,10 +9,14 @@ It sets, idempotently:
   enginelib alone (its dependencies are loose floors, so Colab's torch stays) and, if pip
   fails, raises an error that shows pip's output and says what to do;
 - every exercise solution (a ``hide-input`` code cell starting ``# Solution``) as a Colab
-  form cell, so Colab shows its title and hides the code until the reader double-clicks.
+  form cell, so Colab shows its title and hides the code until the reader double-clicks;
+- the opening box's "**It runs** ..." line, and the README's table of runtimes, from
+  book/runtimes.json (written by execute_notebooks.py when it re-executes a chapter; its "t4"
+  part by a GPU report): one source for every runtime the book states.
 """
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -37,6 +41,9 @@ if "google.colab" in sys.modules:
             f"and run this cell again. Or install it by hand in a new cell:  !pip install \\"{{SPEC}}\\"\\n"
             "More help: {url}#run-a-chapter-in-colab")
     importlib.invalidate_caches()  # a package installed just now imports in this same session: no restart'''
+RUNTIMES = ROOT / "book" / "runtimes.json"
+RUNS_LINE = re.compile(r"[ \n]*\*\*It\s+runs\*\*.*?(?=\n```)", re.S)
+README_TABLE = re.compile(r"(<!-- runtimes:[^\n]*-->\n).*?(?=<!-- /runtimes -->)", re.S)
 
 
 def repository() -> tuple[str, str]:
@@ -83,6 +90,45 @@ def as_form(cell) -> None:
     cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
 
 
+def runtimes() -> dict:
+    return json.loads(RUNTIMES.read_text()) if RUNTIMES.exists() else {"cpu": {}, "t4": {}}
+
+
+def runs_line(chapter: str) -> str:
+    """The opening box's last line: the chapter's measured runtimes, or plainly that one is not measured."""
+    times = runtimes()
+    cpu, t4 = times["cpu"].get(chapter), times["t4"].get(chapter)
+    where = (f"in {cpu['seconds']} s on a {cpu['cores']}-core CPU ({cpu['cpu']}, {cpu['dtype']}, "
+             f"re-executed {cpu['date']})") if cpu else "on a 2-core CPU in a time not measured yet"
+    gpu = (f"on Colab's T4 in {t4['seconds']} s ({t4['dtype']}, GPU report of {t4['date']})" if t4 else
+           "on Colab's T4 its time is not measured yet: no GPU report has run it")
+    return f"**It runs** {where}; {gpu}."
+
+
+def readme_table() -> str:
+    """The README's runtime table, a row per chapter, from book/runtimes.json."""
+    times, rows, total = runtimes(), [], 0
+    for path in sorted((ROOT / "book").glob("[0-9]*.ipynb")):
+        title = nbformat.read(path, as_version=4).cells[1].source.splitlines()[0].lstrip("# ")
+        cpu, t4 = times["cpu"].get(path.stem), times["t4"].get(path.stem)
+        total += cpu["seconds"] if cpu else 0
+        rows.append(f"| {int(path.stem[:2])} {title} | {cpu['seconds'] if cpu else 'not measured'} | "
+                    f"{cpu['cpu'] + ', ' + str(cpu['cores']) + ' cores' if cpu else ''} | {cpu['date'] if cpu else ''} | "
+                    f"{t4['seconds'] if t4 else 'not measured'} |")
+    return "\n".join(["| chapter | CPU seconds | CPU | re-executed | T4 seconds |", "|---|---|---|---|---|", *rows,
+                      f"| all {len(rows)} chapters | {total} ({total / 60:.1f} minutes) | | | |"]) + "\n"
+
+
+def sync_readme(check: bool) -> bool:
+    """Bring the README's runtime table in line; True if it was stale."""
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    new = README_TABLE.sub(lambda m: m[1] + readme_table(), text)
+    if new != text and not check:
+        readme.write_text(new)
+    return new != text
+
+
 def sync(nb, path: Path) -> bool:
     """Bring one notebook in line; True if anything changed. A copy outside book/ (a test's
     temp dir) syncs as the chapter of the same name."""
@@ -92,6 +138,7 @@ def sync(nb, path: Path) -> bool:
     if setup.cell_type != "code" or SETUP_TAG not in setup.metadata.get("tags", []):
         raise ValueError(f"{path.name}: the first cell must be the setup cell, a code cell tagged {SETUP_TAG!r}")
     setup.source = setup_source()
+    nb.cells[1].source = RUNS_LINE.sub(lambda m: "\n" + runs_line(path.stem), nb.cells[1].source, count=1)
     for cell in nb.cells:
         cell.source = synced(cell.source, path)
         if is_solution(cell):
@@ -107,6 +154,8 @@ def main(check: bool, paths: list[Path]) -> int:
             stale.append(path.name)
             if not check:
                 nbformat.write(nb, path)
+    if sync_readme(check):
+        stale.append("README.md (runtimes)")
     print(("out of date: " if check else "rewrote: ") + (", ".join(stale) or "none"))
     return 1 if check and stale else 0
 

@@ -228,9 +228,17 @@ def test_on_a_gpu_every_phase_waits_for_its_kernels_before_it_ends(tiny_dt, monk
 
 def test_the_latency_curve_has_a_row_per_rate(real):
     model, tok = real
-    rows = bench.latency_curve(model, tok, [50.0, 100.0], EngineConfig(), quick=True)
+    rows = bench.latency_curve(model, tok, [50.0, 100.0], EngineConfig(), quick=True, slo=(1e9, 1e9))
     assert [r["rate"] for r in rows] == [50.0, 100.0]
     assert all(r["tok_per_s"] > 0 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0 for r in rows)
+    # targets nobody misses: goodput is every request over the run's clock
+    assert all(r["goodput"] == pytest.approx(r["requests"] / r["seconds"]) for r in rows)
+
+
+def test_goodput_counts_the_requests_within_both_targets():
+    result = bench.SystemResult("x", 3, 6, 2.0, timings=[(0.0, [0.1, 0.2]), (0.0, [0.5, 0.6]), (1.0, [1.1, 1.9])])
+    assert result.goodput(0.2, 0.5) == 0.5      # the first only: the second starts late, the third is slow
+    assert result.goodput(1.0, 1.0) == 1.5      # all three
 
 
 def test_decode_seconds_counts_shared_time_once():

@@ -319,3 +319,21 @@ def test_no_stale_phrases():
 def test_part_captions_agree_in_the_toc_the_intro_and_the_readme():
     found = part_caption_mismatches()
     assert not found, "part captions or the README's chapter table disagree with _toc.yml:\n" + "\n".join(found)
+
+
+def test_the_setup_cells_help_link_names_a_readme_section():
+    sync = load_ci_module("sync_notebooks")
+    anchors = re.findall(r"#([\w-]+)\"\)", sync.SETUP)
+    headings = [re.sub(r"[^\w -]", "", h).strip().lower().replace(" ", "-")
+                for h in re.findall(r"^#+ (.+)$", (ROOT / "README.md").read_text(), re.M)]
+    assert anchors and all(a in headings for a in anchors), (anchors, headings)
+
+
+def test_runtimes_come_from_one_file():
+    """Each chapter's "It runs" line and the README's table are written from book/runtimes.json."""
+    sync = load_ci_module("sync_notebooks")
+    assert not sync.sync_readme(check=True), "run python .ci/sync_notebooks.py"
+    for path in CHAPTERS:
+        box = nbformat.read(path, as_version=4).cells[1].source
+        assert sync.runs_line(path.stem) in box, f"{path.name}: run python .ci/sync_notebooks.py"
+        assert len(re.findall(r"\*\*It\s+runs\*\*", box)) == 1

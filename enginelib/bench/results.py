@@ -36,6 +36,16 @@ class SystemResult:
     def tok_per_s(self) -> float:
         return self.output_tokens / self.seconds
 
+    def goodput(self, ttft_s: float, tpot_s: float) -> float:
+        """Requests per second that met both targets, as ``vllm bench serve --goodput ttft:MS tpot:MS``
+        counts them: throughput says what the machine did, goodput what users were served within their
+        patience. Needs ``timings`` (the engine and llama.cpp runners record them)."""
+        met = 0
+        for arrival, times in self.timings:
+            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+            met += times[0] - arrival <= ttft_s and tpot <= tpot_s
+        return met / self.seconds
+
     def summary(self) -> dict:
         return {"tok_per_s": self.tok_per_s, "output_tokens": self.output_tokens, "seconds": self.seconds,
                 "requests": self.requests,

@@ -75,10 +75,11 @@ def chunked_prefill_effect(model: Transformer, tok: Tokenizer, config: EngineCon
 
 
 def latency_curve(model: Transformer, tok: Tokenizer, rates: list[float], config: EngineConfig,
-                  quick: bool = True) -> list[dict]:
-    """The engine on the ``poisson`` workload at each arrival rate: throughput against latency."""
+                  quick: bool = True, slo: tuple[float, float] | None = None) -> list[dict]:
+    """The engine on the ``poisson`` workload at each arrival rate: throughput against latency, and the
+    goodput (requests/s within ``slo`` = (TTFT, TPOT) seconds) where one is given."""
     rows = []
     for rate in rates:
         result = run_engine(model, tok, make_workload("poisson", tok, quick, rate), config)
-        rows.append({"rate": rate, **result.summary()})
+        rows.append({"rate": rate, **result.summary(), **({"goodput": result.goodput(*slo)} if slo else {})})
     return rows
