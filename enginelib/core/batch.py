@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from enginelib.model.device import to_device  # noqa: F401 (the speed modules import it from here too)
+
 
 @dataclass(frozen=True)
 class SequenceWork:
@@ -28,6 +30,8 @@ class Batch:
     query_lens: list[int]       # [S] new tokens per sequence
     logits_indices: torch.Tensor  # [R] row of the last new token of each sequence that samples: only these get logits
     #                               (a sequence verifying k guesses gets k + 1 rows, see enginelib.speed.speculative)
+    blocks_read: tuple[int, int] = (0, -1)  # the lowest and highest block the sequences' keys lie in, from the host's
+    #                                         lists: check_pool needs no look at the device's tables (no sync)
 
     @property
     def num_tokens(self) -> int:
@@ -41,10 +45,16 @@ class Batch:
     def build(cls, seqs: list[SequenceWork], block_size: int, device: torch.device | str = "cpu") -> "Batch":
         """Lay the work end to end: all of it is built on the host and crosses to ``device`` in one copy."""
         tokens, positions, slots, ends = [], [], [], []
+        lowest, highest = 0, -1
         for s in seqs:
             pos = range(s.start, s.start + len(s.token_ids))
             if len(s.block_table) * block_size < pos.stop:
                 raise ValueError(f"{len(s.block_table)} blocks cannot hold {pos.stop} tokens")
+            if s.start < 0:
+                raise ValueError(f"a sequence cannot start at position {s.start}")
+            read = s.block_table[:-(-pos.stop // block_size)]  # the blocks its keys lie in
+            if read:
+                lowest, highest = min(lowest, min(read)), max(highest, max(read))
             tokens += s.token_ids
             positions += pos
             slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
@@ -58,12 +68,14 @@ class Batch:
         token_ids, pos, slot_mapping, block_tables, lens, logits_indices = flat.split(
             [n, n, n, num_seqs * width, num_seqs, len(ends)])
         return cls(token_ids, pos, slot_mapping, block_tables.view(num_seqs, width), lens,
-                   [len(s.token_ids) for s in seqs], logits_indices)
+                   [len(s.token_ids) for s in seqs], logits_indices, (lowest, highest))
 
+    def check_pool(self, num_blocks: int) -> None:
+        """Every block a sequence's keys lie in is in a pool of ``num_blocks``: what a kernel reading K/V through the
+        tables trusts (the context lengths Batch.build checked). Checked on the host, from the numbers build kept:
+        a look at the tables on a GPU would make every step wait for it (and a wrong block must not reach C++, where
+        an exception crossing torch's dispatcher crashed a process on one machine)."""
+        lowest, highest = self.blocks_read
+        if highest >= 0 and (lowest < 0 or highest >= num_blocks):
+            raise RuntimeError(f"block {lowest if lowest < 0 else highest} is outside the pool of {num_blocks}")
 
-def to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
-    """One int64 tensor on ``device`` in one copy that does not block the host (pinned memory on a GPU: the only kind an
-    asynchronous copy runs from). Split it into views there rather than copying pieces one by one."""
-    device = torch.device(device)
-    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)

@@ -77,21 +77,6 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     return out.flatten(0, 1) if group.whole else out.flatten(0, 1).index_select(0, group.take)
 
 
-def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
-    """What a kernel that reads K/V through block tables trusts: every sequence has 0 (padding) to (its
-    table's) keys, and the blocks holding them are in the pool. Checked in Python, where an error is an
-    exception (one thrown in C++ must cross torch's dispatcher, which crashed a process on one machine)."""
-    width = block_tables.shape[1]
-    bad = ((context_lens < 0) | (context_lens > width * block_size)).nonzero()
-    if len(bad):
-        s = int(bad[0])
-        raise RuntimeError(f"sequence {s} has {int(context_lens[s])} keys; its table holds {width * block_size}")
-    used = block_tables[torch.arange(width) < ((context_lens + block_size - 1) // block_size)[:, None]]
-    outside = used[(used < 0) | (used >= num_blocks)]
-    if len(outside):
-        raise RuntimeError(f"block {int(outside[0])} is outside the pool of {num_blocks}")
-
-
 class PagedKVCache:
     """K/V for every layer in fixed-size blocks: ``[layers, num_blocks, block_size, KV, D]``.
 
@@ -129,10 +114,10 @@ class PagedKVCache:
         return self.k.nbytes + self.v.nbytes
 
     def bind(self, batch: Batch) -> "PagedKVCache":
+        batch.check_pool(self.num_blocks)  # on the host, once for the step's layers (a fused kernel trusts the tables)
         self.batch = batch
         self._fused = self.decode_kernel is not None and batch.num_tokens == batch.num_seqs
-        if self._fused:  # the tables checked once for the step's layers (the kernel trusts them)
-            check_tables(batch.block_tables, batch.context_lens, self.num_blocks, self.block_size)
+        if self._fused:
             self._groups = []
         else:
             self._groups = _attention_groups(batch, self.block_size, self.num_groups, self.k.dtype)

@@ -120,3 +120,11 @@ def pack_linears(model: nn.Module) -> int:
                 setattr(module, name, PackedLinear(child))
                 swapped += 1
     return swapped
+
+
+def to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """One int64 tensor on ``device`` in one copy that does not block the host (pinned memory on a GPU: the only kind an
+    asynchronous copy runs from). Split it into views there rather than copying pieces one by one."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)

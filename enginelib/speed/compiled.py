@@ -55,11 +55,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginelib.config import CompileConfig
-from enginelib.core.batch import Batch, SequenceWork
+from enginelib.core.batch import Batch, SequenceWork, to_device
 from enginelib.core.paged_cache import (
     PagedKVCache,
     AttentionGroup,
-    check_tables,
     paged_attention,
 )
 from enginelib.model.device import unpack_linears
@@ -151,6 +150,17 @@ def row_mask(positions: torch.Tensor, num_keys: int, num_groups: int, dtype: tor
     the engine's decode group builds it (:func:`enginelib.core.paged_cache._attention_groups`)."""
     keys = torch.arange(num_keys, device=positions.device)
     return attention_mask((keys[None, :] <= positions[:, None])[:, None, None], num_groups, dtype)
+
+
+def token_tables(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block table [N, width] and a context length [N] per token of a step in which every token gets logits: a decode
+    row is its sequence's; a sequence verifying guesses repeats its table for each of its tokens, each with the keys up
+    to its own position. The repeats come from the host's query lengths, and so does the output's size: a
+    ``repeat_interleave`` not told it would make the host wait for the device to count it."""
+    if batch.num_tokens == batch.num_seqs:
+        return batch.block_tables, batch.context_lens
+    repeats = to_device(batch.query_lens, batch.block_tables.device)  # one copy that does not block
+    return batch.block_tables.repeat_interleave(repeats, dim=0, output_size=batch.num_tokens), batch.positions + 1
 
 
 @dataclass
@@ -408,14 +418,8 @@ class CompiledDecoder:
         token_ids, positions = batch.token_ids, batch.positions
         if pad:
             token_ids, positions = F.pad(token_ids, (0, pad)), F.pad(positions, (0, pad))
-        if self.fused_attention:  # checked once for the step's 30 attention calls (the kernel trusts them)
-            check_tables(batch.block_tables, batch.context_lens, cache.num_blocks, cache.block_size)
-        # a row per token (guesses to verify: each with its sequence's table, keys up to its own position),
-        # padded to the fixed width: the graph's shapes are fixed
-        rows, lens = batch.block_tables, batch.context_lens
-        if batch.num_tokens != batch.num_seqs:
-            rows = rows.repeat_interleave(torch.tensor(batch.query_lens, device=rows.device), dim=0)
-            lens = batch.positions + 1
+        batch.check_pool(cache.num_blocks)  # on the host, once for the step's 30 attention calls (the kernel trusts them)
+        rows, lens = token_tables(batch)  # a table per token, padded to the fixed width: the graph's shapes are fixed
         tables = rows.new_zeros(size, self.table_width(cache))
         tables[:batch.num_tokens, :rows.shape[1]] = rows
         if self.fused_attention:

@@ -65,8 +65,6 @@ from pathlib import Path
 
 import torch
 
-from enginelib.core.paged_cache import check_tables
-
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("linear.cpp", "q8.cpp", "attention.cpp")  # compiled, in csrc/
 HEADERS = ("common.h",)  # included by them: part of the build key too
@@ -281,6 +279,23 @@ def _(q, k, v, k_pool, v_pool, block_tables, context_lens, simd=True):
     return torch.empty_like(q)
 
 
+def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """What the kernel trusts, for a direct call with tensors: every sequence has 0 (padding) to (its table's)
+    keys, and the blocks holding them are in the pool. Checked in Python, where an error is an exception (one
+    thrown in C++ must cross torch's dispatcher, which crashed a process on one machine). It reads the tensors,
+    so an engine's step checks its Batch on the host instead (:meth:`enginelib.core.batch.Batch.check_pool`)."""
+    width = block_tables.shape[1]
+    bad = ((context_lens < 0) | (context_lens > width * block_size)).nonzero()
+    if len(bad):
+        s = int(bad[0])
+        raise RuntimeError(f"sequence {s} has {int(context_lens[s])} keys; its table holds {width * block_size}")
+    columns = torch.arange(width, device=block_tables.device)
+    used = block_tables[columns < ((context_lens + block_size - 1) // block_size)[:, None]]
+    outside = used[(used < 0) | (used >= num_blocks)]
+    if len(outside):
+        raise RuntimeError(f"block {int(outside[0])} is outside the pool of {num_blocks}")
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, simd: bool = True) -> torch.Tensor:
     """A decode step's attention over one layer's paged pool, with one new token per sequence.
@@ -290,8 +305,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     context_lens: [S], the keys each sequence has with its new one (0: a padding
     row, left alone, zeros out). Writes k, v at each sequence's last position,
     then returns [S, H, D]: the paged-attention kernel of a decode step, with no
-    keys gathered or copied. (A compiled step calls the operator itself, after one
-    :func:`check_tables` for all its layers.)
+    keys gathered or copied. (An engine's step, eager or compiled, calls the operator itself,
+    after one :meth:`~enginelib.core.batch.Batch.check_pool` on the host for all its layers.)
     """
     load()
     _check(q.dim() == 3 and k.dim() == v.dim() == 3 and k_pool.dim() == 4 and k.shape == v.shape

@@ -28,7 +28,7 @@ import torch
 
 from enginelib.baselines.kv_cache import ContiguousKVCache
 from enginelib.config import CompileConfig, SamplingParams, SpeculativeConfig
-from enginelib.core.batch import Batch, SequenceWork
+from enginelib.core.batch import Batch, SequenceWork, to_device
 from enginelib.model.sampling import filter_logits
 from enginelib.model.transformer import Transformer
 from enginelib.speed import cpu_kernels
@@ -150,7 +150,7 @@ class DraftModelProposer:
             return []
         seq = self._sequence_for(ids, k)
         cache = seq.cache = _with_room(seq.cache, len(ids) + k - 1, self.model)
-        x = torch.tensor([ids[cache.length:]], device=self.model.device)
+        x = to_device(ids[cache.length:], self.model.device)[None]  # a copy that does not block
         self.fed_tokens += x.shape[1] + k - 1
         guesses = []
         for i in range(k):  # greedy, on the device: one transfer to the host at the end
@@ -283,7 +283,7 @@ def rejection_sample(logits: torch.Tensor, drafts: Sequence[int], params: Sampli
     """
     k = len(drafts)
     probs = filter_logits(logits, params).softmax(dim=-1)  # [k + 1, V]: what plain sampling would draw from
-    guess = torch.tensor(list(drafts), device=logits.device)[:, None]
+    guess = to_device(list(drafts), logits.device)[:, None]  # torch.tensor(..., device) would wait on a GPU
     p = probs[:k].gather(1, guess).squeeze(1)
     if draft_probs is None:
         ratio = p

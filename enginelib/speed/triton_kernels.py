@@ -224,7 +224,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     ``parts``: shares each sequence's blocks are split into, each its own program, then merged by a second
     kernel (default: :func:`partitions`; 1: one program per sequence and KV head, one launch).
 
-    The tables are trusted (one :func:`enginelib.core.paged_cache.check_tables` per step does that)."""
+    The tables are trusted: an engine's step checks them once, on the host, in
+    :meth:`enginelib.core.batch.Batch.check_pool` (reading them here would make every step wait for the GPU)."""
     _check(q.dim() == 3 and k.dim() == v.dim() == 3 and k_pool.dim() == 4 and k.shape == v.shape
            == (q.shape[0], k_pool.shape[2], q.shape[2]) and k_pool.shape == v_pool.shape
            and k_pool.shape[3] == q.shape[2] and q.shape[1] % k_pool.shape[2] == 0,

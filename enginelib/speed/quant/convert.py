@@ -170,7 +170,7 @@ def quantize(model: Transformer, fmt: str, kernel: str = "auto", *, head: str | 
     weights = {path: quantize_weight(linear.weight, head if path == "lm_head" else fmt)
                for path, linear in linear_layers(model)}
     inputs = calibration_inputs(model, calibration) if kernel == "auto" else None
-    choices = choose_kernels(kernel, weights, inputs, device, tolerance)
+    choices = choose_kernels(kernel, weights, inputs, device, tolerance, model.dtype)
     new = _clone_structure(model)
     install(new, weights, choices)  # a tied head becomes its own layer; the embedding stays a float table
     return new.eval().requires_grad_(False)

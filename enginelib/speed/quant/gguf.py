@@ -95,5 +95,5 @@ def load_quantized(model: str | os.PathLike = DEFAULT_MODEL, kernel: str = "auto
     as_stored = {weight_key(qw): KernelChoice("reference", "reference") for qw in weights.values()}
     install(net, weights, as_stored)  # the model as stored, to calibrate the kernel choice on
     inputs = calibration_inputs(net, None) if kernel == "auto" else None
-    install(net, weights, choose_kernels(kernel, weights, inputs, dev, tolerance))
+    install(net, weights, choose_kernels(kernel, weights, inputs, dev, tolerance, net.dtype))
     return net.eval().requires_grad_(False), tokenizer

@@ -246,8 +246,11 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
 )}
 
 
-def kernel_unavailable(name: str, fmt: str, shape: tuple[int, int], device: torch.device) -> str | None:
-    """Why kernel ``name`` cannot run ``fmt`` at ``shape`` on ``device`` (None: it can)."""
+def kernel_unavailable(name: str, fmt: str, shape: tuple[int, int], device: torch.device,
+                       dtype: torch.dtype | None = None) -> str | None:
+    """Why kernel ``name`` cannot run ``fmt`` at ``shape`` on ``device`` with activations in ``dtype`` (None: it can;
+    no ``dtype``: in some dtype). The dtype matters to Triton's: no bfloat16 on a GPU older than compute capability
+    8.0 (a T4), which would otherwise be found only when the first matmul fails."""
     kernel = KERNELS[name]
     if fmt not in kernel.formats:
         return f"kernel {name!r} does not run {fmt} (it runs {', '.join(kernel.formats)})"
@@ -268,14 +271,15 @@ def kernel_unavailable(name: str, fmt: str, shape: tuple[int, int], device: torc
     if name == "triton":
         from enginelib.speed import triton_kernels  # imports Triton only if it is installed
 
-        return triton_kernels.unavailable(device)
+        return triton_kernels.unavailable(device, dtype)
     return None
 
 
-def _cannot_run(name: str, fmt: str, shape: tuple[int, int], device: torch.device) -> str | None:
+def _cannot_run(name: str, fmt: str, shape: tuple[int, int], device: torch.device,
+                dtype: torch.dtype | None = None) -> str | None:
     """:func:`kernel_unavailable`, else the kernel's own build (``Kernel.ready``): for ``auto``, about to time it."""
     ready = KERNELS[name].ready
-    return kernel_unavailable(name, fmt, shape, device) or (ready(device) if ready is not None else None)
+    return kernel_unavailable(name, fmt, shape, device, dtype) or (ready(device) if ready is not None else None)
 
 
 # ---------------------------------------------------------------- the layer
@@ -377,7 +381,7 @@ def measure_kernels(qw: QuantizedWeight, x: torch.Tensor, failed: dict[str, str]
     rows = []
     want = _reference(x, qw)
     for name, kernel in KERNELS.items():
-        if _cannot_run(name, qw.fmt, qw.shape, x.device):
+        if _cannot_run(name, qw.fmt, qw.shape, x.device, x.dtype):
             continue
         prepared = kernel.prepare(qw)
         try:  # each row count may compile its own variant (Triton's tiles): all three are part of the try
@@ -417,15 +421,19 @@ def check_kernel(kernel: str) -> None:
 
 
 def choose_kernels(kernel: str, weights: dict[str, QuantizedWeight], inputs: dict[str, torch.Tensor] | None,
-                   device: torch.device, tolerance: float = 1e-2) -> dict[WeightKey, KernelChoice]:
-    """A kernel per (format, shape) of ``weights`` (layer path -> stored weight).
+                   device: torch.device, tolerance: float = 1e-2,
+                   dtype: torch.dtype | None = None) -> dict[WeightKey, KernelChoice]:
+    """A kernel per (format, shape) of ``weights`` (layer path -> stored weight), for activations in ``dtype`` (the
+    model's; None: the inputs').
 
     With ``kernel == "auto"`` each kernel is timed on the first layer of a shape and its error measured
     on ``inputs`` (what each layer really receives; see :func:`quant.quantize`); else ``kernel`` everywhere.
     """
+    if dtype is None and inputs:
+        dtype = next(iter(inputs.values())).dtype
     if kernel != "auto":
         for qw in weights.values():
-            reason = kernel_unavailable(kernel, qw.fmt, qw.shape, device)
+            reason = kernel_unavailable(kernel, qw.fmt, qw.shape, device, dtype)
             if reason:
                 raise ValueError(f"{reason}: use kernel='auto' or 'reference'")
         return {weight_key(qw): KernelChoice(kernel, kernel) for qw in weights.values()}
@@ -445,6 +453,6 @@ def choose_kernels(kernel: str, weights: dict[str, QuantizedWeight], inputs: dic
     choices = {}
     for key, candidates in rows.items():
         skipped = {name: reason for name, k in KERNELS.items() if key[0] in k.formats and device.type in k.devices
-                   and (reason := _cannot_run(name, *key, device))} | failed[key]
+                   and (reason := _cannot_run(name, *key, device, dtype))} | failed[key]
         choices[key] = KernelChoice(choose(candidates, tolerance).kernel, "auto", tuple(candidates), skipped)
     return choices
