@@ -34,9 +34,9 @@ def _check_number(name: str, value: object, example: str) -> None:
 class SamplingParams:
     """How to pick tokens and when to stop, like vLLM's. ``temperature=0``: greedy; ``top_k`` of 0 or -1 and ``top_p``
     of 1: off. A stop string ends the text before it, unless ``include_stop_str_in_output``. ``seed``: reproducible
-    sampling per request. ``logprobs`` (0..20, None: off): each token's log-probability and the likeliest tokens',
-    from the raw logits. ``n`` samples per prompt: ``LLM.generate`` runs ``n`` requests (seeded ``seed + j``) sharing
-    the prompt's blocks; an ``Engine`` request is one sample."""
+    sampling per request. ``logprobs`` (0..20, None: off): each token's log-probability and the likeliest tokens', from
+    the raw logits. ``n`` samples per prompt: ``LLM.generate`` runs ``n`` requests (seeded ``seed + j``) sharing the
+    prompt's blocks; an ``Engine`` request is one sample. ``min_p``, ``min_tokens`` and the penalties are vLLM's."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -48,6 +48,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     n: int = 1
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +71,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be a positive integer, or 0 / -1 to disable it; got {self.top_k!r}")
+        for name, low, high, eg in (("min_p", 0, 1, "0.05"), ("presence_penalty", -2, 2, "0.5"),
+                                     ("frequency_penalty", -2, 2, "0.5"), ("repetition_penalty", 0, math.inf, "1.2")):
+            value = getattr(self, name)  # in vLLM's ranges; a repetition_penalty of 0 would divide by zero
+            _check_number(name, value, eg)
+            if not low <= value <= high or (name == "repetition_penalty" and value == 0):
+                raise ValueError(f"{name} must be {'above 0' if high == math.inf else f'in [{low}, {high}]'}, got "
+                                 f"{value}: pass e.g. {name}={eg}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), got "
+                             f"{self.min_tokens!r}: lower min_tokens or raise max_tokens")
 
     def _check_types(self) -> None:
         """Checks the range checks below cannot make: a string or nan there would raise TypeError or pass."""
@@ -88,7 +104,7 @@ class SamplingParams:
                              f"per position), or None for none; got {self.logprobs!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n (samples per prompt) must be a positive integer, got {self.n!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -96,9 +112,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def uses_history(self) -> bool:  # penalties and min_tokens read the tokens so far (model/logits_processors.py)
+        return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
 
 def finish_reason(token: int, num_generated: int, params: SamplingParams, eos_token_id: int | None) -> str | None:
-    """Why a request stops after emitting ``token``, or None if it goes on."""
+    """Why a request stops after emitting ``token``, or None if it goes on (min_tokens: see apply_history)."""
     if (token == eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
         return "stop"
     if num_generated >= params.max_tokens:

@@ -252,3 +252,187 @@ def test_offline_n_is_n_seeded_requests_in_one_output(real):
     with pytest.raises(ValueError, match="n \\(samples per prompt\\)"):
         SamplingParams(n=0)
     assert llm.engine.pool.stats().used == 0
+
+
+# --- every field honoured or refused by name (issue 40, item 1) ---------------------------------------
+
+REPEATS = "one two one two one two"  # greedy continues it with repeats, which a penalty must change
+
+
+def greedy_text(app, path: str = "/completions", **body) -> tuple[str, dict]:
+    body = ({"prompt": REPEATS} if path == "/completions" else {"messages": CHAT}) | {"temperature": 0} | body
+    status, answer = post(app, path, **body)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    return choice["text"] if path == "/completions" else choice["message"]["content"], answer
+
+
+def test_min_p_of_one_samples_only_the_likeliest_token(served):
+    """At temperature 1.5 a sample strays from greedy; min_p 1 keeps only the best token, so it is greedy again."""
+    app = served[1]
+    greedy = greedy_text(app, max_tokens=8, ignore_eos=True)[0]
+    hot = dict(temperature=1.5, seed=5, max_tokens=8, ignore_eos=True)
+    assert greedy_text(app, **hot)[0] != greedy
+    assert greedy_text(app, **hot, min_p=1.0)[0] == greedy
+
+
+def test_min_tokens_holds_eos_back(served):
+    app = served[1]
+    short = greedy_text(app, "/chat/completions", max_tokens=60)[1]
+    assert short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] < 30, short
+    forced = greedy_text(app, "/chat/completions", max_tokens=60, min_tokens=30)[1]
+    assert forced["usage"]["completion_tokens"] >= 30, forced
+    text = short["choices"][0]["message"]["content"]
+    assert forced["choices"][0]["message"]["content"].startswith(text)  # the same until the EOS it held back
+
+
+def test_stop_token_ids_also_wait_for_min_tokens(served, real):
+    app, tokenizer = served[1], real[1]
+    ids = tokenizer.encode(greedy_text(app, prompt=PROMPT, max_tokens=6, ignore_eos=True)[0])
+    k = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])  # a token greedy emits first at position k
+    stopped = greedy_text(app, prompt=PROMPT, max_tokens=6, ignore_eos=True, stop_token_ids=[ids[k]])[1]
+    assert stopped["usage"]["completion_tokens"] == k + 1 and stopped["choices"][0]["finish_reason"] == "stop"
+    held = greedy_text(app, prompt=PROMPT, max_tokens=6, ignore_eos=True, stop_token_ids=[ids[k]], min_tokens=k + 2)
+    assert held[1]["usage"]["completion_tokens"] >= k + 2, held[1]
+
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 100.0}, {"presence_penalty": 2.0},
+                                     {"frequency_penalty": 2.0}])
+def test_each_penalty_changes_greedy_output_and_its_default_does_not(served, penalty):
+    app = served[1]
+    plain = greedy_text(app, max_tokens=12, ignore_eos=True)[0]
+    assert greedy_text(app, max_tokens=12, ignore_eos=True, **penalty)[0] != plain
+    off = {name: 1.0 if name == "repetition_penalty" else 0.0 for name in penalty}
+    assert greedy_text(app, max_tokens=12, ignore_eos=True, **off)[0] == plain
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_max_completion_tokens_caps_the_length_on_both_endpoints(served, path):
+    app = served[1]
+    answer = greedy_text(app, path, max_completion_tokens=3, ignore_eos=True)[1]
+    assert answer["usage"]["completion_tokens"] == 3 and answer["choices"][0]["finish_reason"] == "length"
+    assert greedy_text(app, path, max_completion_tokens=3, max_tokens=3, ignore_eos=True)[1]["usage"][
+        "completion_tokens"] == 3
+    status, error = post(app, path, **({"prompt": "Hi"} if path == "/completions" else {"messages": CHAT}),
+                         max_completion_tokens=3, max_tokens=4)
+    assert status == 400 and error["error"]["param"] == "max_completion_tokens", error
+
+
+def test_skip_special_tokens_false_keeps_eos_in_the_text(served):
+    app = served[1]
+    kept = greedy_text(app, "/chat/completions", max_tokens=60, skip_special_tokens=False)[0]
+    dropped = greedy_text(app, "/chat/completions", max_tokens=60, skip_special_tokens=True)[0]
+    assert kept == dropped + "<|im_end|>"
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(served):
+    app = served[1]
+    status, events = post(app, "/completions", prompt=PROMPT, max_tokens=3, temperature=0, ignore_eos=True,
+                          stream=True, stream_options={"continuous_usage_stats": True})
+    assert status == 200 and all("usage" in e for e in events), events
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 3 and {e["usage"]["prompt_tokens"] for e in events} == {5}
+    plain = post(app, "/completions", prompt=PROMPT, max_tokens=3, temperature=0, stream=True)[1]
+    assert all("usage" not in e for e in plain)
+
+
+def test_openai_shapes_that_were_refused_are_taken(served):
+    """Content as a list of text parts (as SDKs send it), ``stream: null``, ``n: 2.0`` and nulls for defaults."""
+    app = served[1]
+    text = greedy_text(app, "/chat/completions", max_tokens=5)[0]
+    parts = [{"type": "text", "text": CHAT[0]["content"]}]
+    assert greedy_text(app, "/chat/completions", messages=[{"role": "user", "content": parts}], max_tokens=5,
+                       stream=None, top_p=None, seed=None, stop=None, n=None, user="someone")[0] == text
+    two = greedy_text(app, "/chat/completions", max_tokens=5, n=2.0)[1]
+    assert [c["message"]["content"] for c in two["choices"]] == [text, text]
+    for half in ({"n": 2.5}, {"max_tokens": 5.5}):
+        status, error = post(app, "/completions", prompt="Hi", **half)
+        assert status == 400 and error["error"]["param"] == next(iter(half)), error
+
+
+REFUSED_FIELDS = {  # field: (path, value); each a 400 whose param and message name it
+    "prompt_logprobs": ("/completions", 1), "guided_json": ("/completions", {"type": "object"}),
+    "guided_choice": ("/chat/completions", ["yes", "no"]), "use_beam_search": ("/completions", True),
+    "length_penalty": ("/completions", 2.0), "truncate_prompt_tokens": ("/completions", 5),
+    "modalities": ("/chat/completions", ["text", "audio"]), "audio": ("/chat/completions", {"voice": "alloy"}),
+    "prediction": ("/chat/completions", {"type": "content", "content": "x"}),
+    "reasoning_effort": ("/chat/completions", "low"), "top_logprobs": ("/completions", 2),
+    "best_of": ("/completions", 2), "logit_bias": ("/chat/completions", {"42": 5}),
+    "response_format": ("/chat/completions", {"type": "json_object"}), "echo": ("/completions", True),
+    "a_field_nobody_defined": ("/completions", 1),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED_FIELDS)
+def test_each_unimplemented_field_is_refused_by_name(served, name):
+    engine, app = served
+    path, value = REFUSED_FIELDS[name]
+    base = {"prompt": "Hi"} if path == "/completions" else {"messages": CHAT}
+    status, answer = post(app, path, max_tokens=2, **base, **{name: value})
+    assert status == 400 and answer["error"]["param"] == name and name in answer["error"]["message"], answer
+    if name != "a_field_nobody_defined":  # its "not used" value (null) is taken
+        assert post(app, path, max_tokens=2, **base, **{name: None})[0] == 200
+    assert _idle(engine), engine.stats
+
+
+TYPED = {  # case: (path, body, the param the 400 names)
+    "include_usage not a bool": ("/completions", {"stream": True, "stream_options": {"include_usage": "no"}},
+                                 "stream_options.include_usage"),
+    "an unknown stream option": ("/completions", {"stream": True, "stream_options": {"everything": True}},
+                                 "stream_options.everything"),
+    "stream_options without stream": ("/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    "an image part": ("/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages.0.content.0.type"),
+    "an audio part": ("/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}, "messages.0.content.0.type"),
+    "a message's tool calls": ("/chat/completions", {"messages": [CHAT[0] | {"tool_calls": []}]},
+                               "messages.0.tool_calls"),
+    "a penalty out of range": ("/completions", {"presence_penalty": 3}, "presence_penalty"),
+    "min_tokens past max_tokens": ("/completions", {"min_tokens": 5}, "min_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", TYPED)
+def test_bad_shapes_inside_fields_are_refused_by_name(served, case):
+    path, body, param = TYPED[case]
+    base = {"prompt": "Hi"} if path == "/completions" else {"messages": CHAT}
+    status, answer = post(served[1], path, max_tokens=2, **(base | body))
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_a_number_too_long_to_read_is_a_400_and_post_health_a_405(served):
+    app = served[1]
+    body = b'{"model": "%s", "prompt": "Hi", "max_tokens": %s}' % (MODEL.encode(), b"9" * 5000)
+    answer = call(app, "POST", "/v1/completions", body=body)
+    assert answer.status_code == 400 and "number" in answer.json()["error"]["message"], answer.text
+    assert call(app, "POST", "/health", body=b"x", headers={"Content-Type": "text/plain"}).status_code == 405
+    assert call(app, "POST", "/v1/completions", body=b"x", headers={"Content-Type": "text/plain"}).status_code == 415
+
+
+def test_greedy_output_with_default_params_is_unchanged_offline(real):
+    """The penalty machinery stays out of a default request's way: its tokens are the reference's, byte for byte."""
+    model, tokenizer = real
+    ids = tokenizer.encode(REPEATS)
+    out = LLM.from_model(*real, num_blocks=64).generate([ids], SamplingParams(temperature=0, max_tokens=10,
+                                                                               ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == greedy_reference(model, ids, 10)[0]
+    penalised = LLM.from_model(*real, num_blocks=64).generate(
+        [ids], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=100.0))[0].outputs[0]
+    assert penalised.token_ids != out.token_ids  # the offline LLM honours it too
+
+
+def test_openapi_describes_the_real_bodies_errors_key_and_metrics(served):
+    schema = call(served[1], "GET", "/openapi.json").json()
+    components = schema["components"]
+    assert components["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    for path, body in (("/v1/completions", "CompletionBody"), ("/v1/chat/completions", "ChatBody")):
+        post_op = schema["paths"][path]["post"]
+        assert post_op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(body)
+        assert post_op["security"] == [{"bearer": []}]
+        assert {"400", "401", "413", "415", "503"} <= set(post_op["responses"])
+        assert post_op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorBody")
+    fields = components["schemas"]["CompletionBody"]["properties"]
+    assert {"min_p", "min_tokens", "repetition_penalty", "max_completion_tokens", "stop_token_ids"} <= set(fields)
+    assert components["schemas"]["CompletionBody"]["additionalProperties"] is False
+    assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert "security" not in schema["paths"]["/health"]["get"]

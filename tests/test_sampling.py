@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from enginelib.core.request import Request
+from enginelib.model.logits_processors import apply_history
 from enginelib.model.sampling import SamplingParams, filter_logits, make_generator, sample
 
 
@@ -11,6 +13,11 @@ from enginelib.model.sampling import SamplingParams, filter_logits, make_generat
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(top_k=2.5), "top_k"),
+    (dict(min_p=-0.1), "min_p"), (dict(min_p=1.5), "min_p"), (dict(min_p="0.1"), "min_p"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=17), "min_tokens"), (dict(min_tokens=True), "min_tokens"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(skip_special_tokens=1), "skip_special_tokens"),
 ])
 def test_bad_sampling_values_are_refused_with_the_name_of_the_field(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -62,3 +69,45 @@ def test_a_seed_makes_sampling_reproducible():
              for g in (make_generator(7), make_generator(7))]
     assert draws[0] == draws[1]
     assert len(set(draws[0])) > 1
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_best():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = filter_logits(probs.log(), SamplingParams(min_p=0.3)).isfinite()  # 0.3 * 0.5 = 0.15: kept, 0.05 not
+    assert kept.tolist() == [[True, True, True, False]]
+    assert filter_logits(probs.log(), SamplingParams(min_p=1.0)).isfinite().sum() == 1
+    assert filter_logits(probs.log(), SamplingParams(min_p=0.0)).isfinite().all()
+
+
+def seen(params: SamplingParams, prompt: list[int], output: list[int]) -> Request:
+    """A request that has read ``prompt`` and written ``output``."""
+    return Request("r", prompt, params, output_token_ids=output)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = torch.tensor([2.0, -1.0, 3.0, -4.0, 1.0])
+    out = apply_history(logits.clone(), seen(SamplingParams(repetition_penalty=2.0), [0, 1], [1, 3]), None)
+    assert out.tolist() == [1.0, -2.0, 3.0, -8.0, 1.0]  # 0, 1 in the prompt, 3 in the output; 2, 4 unseen
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(5)
+    out = apply_history(logits.clone(), seen(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [4, 4, 4],
+                                             [1, 1, 2]), None)
+    assert out.tolist() == [0.0, -1.0, -0.75, 0.0, 0.0]  # token 1 twice: 0.5 + 2 * 0.25; the prompt's 4: untouched
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(6)
+    params = SamplingParams(min_tokens=2, stop_token_ids=[3, 99])  # 99: outside this vocabulary, skipped
+    masked = apply_history(logits.clone(), seen(params, [0], [1]), eos_token_id=5)
+    assert masked.isinf().tolist() == [False, False, False, True, False, True]
+    assert apply_history(logits.clone(), seen(params, [0], [1, 2]), eos_token_id=5).isfinite().all()
+
+
+def test_default_params_use_no_history():
+    """The runner edits a row only for a request whose logits depend on its tokens: default greedy is untouched."""
+    assert not SamplingParams().uses_history and not SamplingParams(min_p=0.5, temperature=0.7).uses_history
+    for knob in (dict(min_tokens=1), dict(repetition_penalty=1.1), dict(presence_penalty=0.1),
+                 dict(frequency_penalty=-0.1)):
+        assert SamplingParams(**knob).uses_history, knob

@@ -55,7 +55,7 @@ class Engine:
         self.pool = BlockPool(self._num_blocks(), config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, tokenizer.eos_token_id)
-        self.runner = ModelRunner(model, config, self.pool.num_blocks)
+        self.runner = ModelRunner(model, config, self.pool.num_blocks, tokenizer.eos_token_id)
         self.output = OutputProcessor(tokenizer)
         self.history: list[StepRecord] = []
         self.steps = 0

@@ -34,7 +34,8 @@ class OutputProcessor:
 
     def add(self, request: Request) -> None:
         self.finished.pop(request.request_id, None)  # an id may be used again once its request is done
-        self.live[request.request_id] = _Live(request, IncrementalDetokenizer(self.tokenizer))
+        self.live[request.request_id] = _Live(request, IncrementalDetokenizer(
+            self.tokenizer, request.params.skip_special_tokens))
 
     def request(self, request_id: str) -> Request:
         """An unfinished request, or one of the last KEEP_FINISHED to end."""

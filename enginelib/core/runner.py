@@ -11,11 +11,12 @@ import torch
 from torch.profiler import record_function
 
 from enginelib.config import EngineConfig, SamplingParams
-from enginelib.core.batch import Batch, SequenceWork
+from enginelib.core.batch import Batch, SequenceWork, to_device
 from enginelib.core.outputs import TokenLogprob
 from enginelib.core.paged_cache import PagedKVCache
 from enginelib.core.request import Request
 from enginelib.core.scheduler import ScheduledWork, SchedulerOutput
+from enginelib.model.logits_processors import apply_history
 from enginelib.model.sampling import make_generator, sample, token_logprobs
 from enginelib.model.transformer import Transformer
 
@@ -45,8 +46,8 @@ class SpecStats:
 class ModelRunner:
     """The paged cache and the model, run one scheduled step at a time."""
 
-    def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int) -> None:
-        self.model, self.config = model, config
+    def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int, eos: int | None = None) -> None:
+        self.model, self.config, self.eos = model, config, eos  # EOS: what min_tokens holds back
         decode_kernel = decode_attention_kernel(model.device, model.dtype) if config.cpu_decode_kernel else None
         self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype,
                                   decode_kernel=decode_kernel)
@@ -95,7 +96,7 @@ class ModelRunner:
             n = min(k, request.params.max_tokens - len(request.output_token_ids) - 1)
             decodes = (request.num_uncomputed_tokens == 1
                        and request.num_computed_tokens >= len(request.prompt_token_ids))
-            if n < 1 or not decodes:
+            if n < 1 or not decodes or request.params.uses_history:  # penalties change with each token of a run
                 continue
             try:  # one request's proposal (a draft model's step, a bad guess): it fails alone, the step goes on
                 guesses = list(self.proposer.propose(request.all_token_ids, n))[:n]
@@ -136,14 +137,14 @@ class ModelRunner:
             return runs, failed
 
     def _sample(self, sampling: list[ScheduledWork], logits: torch.Tensor, tokens: torch.Tensor):
-        """Sample each non-greedy work with its request's generator: its token into ``tokens``, or a verdict [accepted,
-        token] for a work with guesses. Returns each work's first row, the verdicts, the failed requests."""
+        """Sample each non-greedy or penalised work with its request's generator: its token into ``tokens``, or a
+        verdict [accepted, token] for a work with guesses. Returns each work's first row, the verdicts, the failed."""
         rows, verdicts, failed = [], [], []
         row = 0
         for work in sampling:
             request, n = work.request, 1 + len(work.draft_token_ids)
             rows.append(row)
-            if not request.params.greedy:
+            if not request.params.greedy or request.params.uses_history:
                 try:  # one request's own failure (e.g. NaN probabilities in its row): it fails alone
                     generator = self._generators[request.request_id]
                     if work.draft_token_ids:
@@ -151,7 +152,10 @@ class ModelRunner:
                         verdicts.append(rejection_sample(logits[row:row + n], work.draft_token_ids, request.params,
                                                          generator))
                     else:
-                        tokens[row:row + 1] = sample(logits[row:row + 1], request.params, generator)
+                        own = logits[row:row + 1]
+                        if request.params.uses_history:  # penalties, min_tokens: on a copy (logprobs stay the model's)
+                            own = apply_history(own.clone(), request, self.eos)
+                        tokens[row:row + 1] = sample(own, request.params, generator)
                 except Exception as error:  # noqa: BLE001 - the request fails with it, the step goes on
                     failed.append((request, error))
             row += n
@@ -164,7 +168,7 @@ class ModelRunner:
                   if w.request.params.logprobs is not None and not w.draft_token_ids]
         if not wanted:
             return
-        index = torch.tensor([row for _, row in wanted], device=logits.device)
+        index = to_device([row for _, row in wanted], logits.device)
         num_top = max(request.params.logprobs for request, _ in wanted)
         for (request, _), (token, logprob, top) in zip(wanted, token_logprobs(logits[index], tokens[index], num_top)):
             request.output_logprobs.append(TokenLogprob(token, logprob, top[:request.params.logprobs]))
@@ -178,8 +182,8 @@ class ModelRunner:
                   if w.draft_token_ids and w.request.params.logprobs is not None and isinstance(run, list)]
         if not wanted:
             return
-        index = torch.tensor([first + j for _, first, run in wanted for j in range(len(run))], device=logits.device)
-        tokens = torch.tensor([t for *_, run in wanted for t in run], device=logits.device)
+        index = to_device([first + j for _, first, run in wanted for j in range(len(run))], logits.device)
+        tokens = to_device([t for *_, run in wanted for t in run], logits.device)
         found = iter(token_logprobs(logits[index], tokens, max(request.params.logprobs for request, *_ in wanted)))
         for request, _, run in wanted:
             for _ in run:

@@ -1,4 +1,4 @@
-"""Choosing the next token: greedy, temperature, top-k, top-p, seeded."""
+"""Choosing the next token: greedy, temperature, min-p, top-k, top-p, seeded."""
 from __future__ import annotations
 
 import torch
@@ -14,8 +14,11 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scale logits [B, V] and mask (to -inf) tokens outside top-k and top-p."""
+    """Temperature-scale logits [B, V] and mask (to -inf) tokens outside min-p, top-k and top-p (vLLM's order)."""
     logits = logits.float() / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

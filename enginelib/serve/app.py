@@ -30,21 +30,24 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from enginelib.config import MAX_LOGPROBS, CompileConfig, EngineConfig, SamplingParams, SpeculativeConfig
+from enginelib.config import CompileConfig, EngineConfig, SpeculativeConfig
 from enginelib.core.outputs import StreamDelta, TokenLogprob
 from enginelib.serve.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestFailed, RequestStream,
                                           refuse_long_text)
 from enginelib.serve.guard import Guard, error_object, is_loopback
 from enginelib.serve.metrics import ServerMetrics
+from enginelib.serve.protocol import (MAX_N, ApiError, ChatBody, CompletionBody, StreamOptions, _Body, echo,
+                                      logprobs_asked, loads, max_tokens_asked, openapi_schema, param, prompts_of,
+                                      sampling_params, validate)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -59,75 +62,7 @@ BODY_TIMEOUT = 30.0  # seconds to receive a request's body
 DRAIN_FACTOR = 8  # a refused body up to 8x the limit is read and dropped before the 413 (see _parse)
 
 
-# --- what a request may say ----------------------------------------------------------------
-
-class _Body(BaseModel):
-    """Fields both endpoints take. Strict: a string where a number belongs is a 400, not a guess."""
-
-    model_config = ConfigDict(strict=True, extra="allow")  # extras are checked against UNSUPPORTED
-    model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                             # vLLM's extension: 0 or -1 turns it off
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None    # vLLM's extension
-    ignore_eos: bool = False                   # vLLM's extension
-    include_stop_str_in_output: bool = False   # vLLM's extension
-    seed: int | None = None                    # choice j of n samples with seed + j (as vLLM)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int | None = None                       # samples per prompt (None: 1)
-
-
-# OpenAI fields this server does not implement, with the value that means "not used": any other value is
-# refused by name (a 400), never silently ignored
-UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
-               "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "repetition_penalty": (None, 1, 1.0), "echo": (None, False), "suffix": (None, "")}
-MAX_N = 16        # samples per prompt at most: each is a request of its own in the batch
-MAX_PROMPTS = 64  # prompts in one /v1/completions body at most
 LOGPROB_FLOOR = -9999.0  # a logprob of -inf is not JSON: reported as this (as vLLM does)
-MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 128  # a stream holds back max(len(stop)) - 1 characters
-ECHO_LIMIT = 80  # characters of a refused value repeated in an error message
-
-
-def _echo(value: object) -> str:
-    """A refused value, shortened: an error must not send a 900 KB body back."""
-    text = repr(value)
-    return text if len(text) <= ECHO_LIMIT else f"{text[:ECHO_LIMIT]}... ({len(text)} characters)"
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a list: a choice per prompt (and n)
-    logprobs: int | None = None  # the legacy API's: this many most likely tokens per position (0..20)
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")  # e.g. a participant's "name": not used
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None   # the newer name OpenAI's API gives max_tokens
-    logprobs: bool | None = None               # each output token's logprob ...
-    top_logprobs: int | None = None            # ... and this many most likely tokens per position (0..20)
-
-
-class ApiError(Exception):
-    """An error the client caused (or a busy server), answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_object(self.status, self.message, self.code, self.param), status_code=self.status,
-                            headers=self.headers)
 
 
 # --- the app -------------------------------------------------------------------------------
@@ -137,12 +72,20 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
     """The HTTP face of ``engine``: every route validates, then streams from the one engine loop.
     ``api_key`` and ``loopback_only`` set the door's checks (:class:`Guard`)."""
     app = FastAPI(title="enginelib", description="An OpenAI-compatible server over enginelib's engine.")
-    app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only)
+    app.add_middleware(Guard, api_key=api_key, loopback_only=loopback_only,
+                       json_paths=frozenset({"/v1/completions", "/v1/chat/completions"}))
     metrics = ServerMetrics(engine)
     context, tokenizer = engine.context_length, engine.tokenizer
     tokenizing = asyncio.Semaphore(1)
     created = int(time.time())
     app.state.engine, app.state.metrics = engine, metrics
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_schema(get_openapi(title=app.title, version=app.version,
+                                                            description=app.description, routes=app.routes))
+        return app.openapi_schema
+    app.openapi = openapi
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -151,15 +94,15 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         """404 (no such route), 405 (wrong method) and the like, in OpenAI's shape rather than FastAPI's."""
-        message = {404: f"no route {_echo(request.url.path)}: see GET /v1/models, POST /v1/completions and "
+        message = {404: f"no route {echo(request.url.path)}: see GET /v1/models, POST /v1/completions and "
                         "POST /v1/chat/completions",
-                   405: f"{request.method} is not allowed on {_echo(request.url.path)}"}.get(error.status_code,
+                   405: f"{request.method} is not allowed on {echo(request.url.path)}"}.get(error.status_code,
                                                                                           str(error.detail))
         return ApiError(error.status_code, message, headers=getattr(error, "headers", None)).response()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return ApiError(422, f"the request is malformed: {_echo(error.errors()[:1])}").response()
+        return ApiError(422, f"the request is malformed: {echo(error.errors()[:1])}").response()
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, error: Exception) -> JSONResponse:
@@ -186,18 +129,16 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionBody, max_body_bytes)
-        return await _answer(request, body, _prompts(body.prompt), "completion")
+        return await _answer(request, body, prompts_of(body.prompt), "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatBody, max_body_bytes)
-        messages = [m.model_dump() for m in body.messages]
+        messages = [m.rendered(f"messages.{i}") for i, m in enumerate(body.messages)]
         try:
             prompt = tokenizer.apply_chat_template(messages)
         except ValueError as error:
             raise ApiError(400, str(error), "messages") from None
-        if body.max_completion_tokens is not None and body.max_tokens is None:
-            body.max_tokens = body.max_completion_tokens
         return await _answer(request, body, [prompt], "chat")
 
     async def _answer(request: Request, body: _Body, prompts: list[str | list[int]], kind: str) -> Response:
@@ -206,13 +147,13 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
         requests of one prompt share its full blocks: the scheduler hashes a block when it schedules the
         tokens that fill it, so the children admitted after the first find its blocks, even in the same step."""
         if body.model != model_name:
-            raise ApiError(404, f"the model {_echo(body.model)} does not exist here: use {model_name!r} "
+            raise ApiError(404, f"the model {echo(body.model)} does not exist here: use {model_name!r} "
                                 "(GET /v1/models lists it)", "model", "model_not_found")
         n = 1 if body.n is None else body.n
         if not 1 <= n <= MAX_N:
-            raise ApiError(400, f"n={_echo(n)}: this server samples 1 to {MAX_N} choices per prompt", "n")
-        logprobs = _logprobs_asked(body)
-        _refuse_unsupported(body)
+            raise ApiError(400, f"n={echo(n)}: this server samples 1 to {MAX_N} choices per prompt", "n")
+        logprobs = logprobs_asked(body)
+        max_tokens = max_tokens_asked(body)
         # Tokenized once, here in the server's process: the engine gets token ids, and never sees a prompt that
         # the checks (in add_request, before anything is queued) refuse. One prompt at a time, in a worker thread
         # (the tokenizer lets go of the interpreter lock): a flood of long prompts takes one core at most and
@@ -221,12 +162,12 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
             for i, prompt in enumerate(prompts):
                 if isinstance(prompt, str):
                     try:
-                        refuse_long_text(prompt, body.max_tokens or 1, tokenizer, context)
+                        refuse_long_text(prompt, max_tokens or 1, tokenizer, context)
                     except ValueError as error:
                         raise ApiError(400, (f"prompt {i}: " if len(prompts) > 1 else "") + str(error),
-                                       _param(str(error)) or "prompt") from None
+                                       param(str(error)) or "prompt") from None
                     prompts[i] = await asyncio.to_thread(tokenizer.encode, prompt)
-        params = [_sampling_params(body, prompt, context, logprobs) for prompt in prompts]
+        params = [sampling_params(body, prompt, context, logprobs) for prompt in prompts]
         request_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:  # all the choices or none: one refused closes (aborts) those already queued
@@ -240,13 +181,15 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
                 stream.close()
             if isinstance(error, ValueError):  # the prompt: past the context, empty, out of the vocabulary
                 where = f"prompt {len(streams) // n}: " if len(prompts) > 1 else ""
-                raise ApiError(400, where + str(error), _param(str(error)) or "prompt") from None
+                raise ApiError(400, where + str(error), param(str(error)) or "prompt") from None
             raise ApiError(503, str(error), headers={"Retry-After": "1"} if isinstance(error, EngineOverloaded)
                            else None) from None
-        chunks = _Chunks(kind, model_name, request_id, tokenizer, logprobs is not None, n)
+        chunks = _Chunks(kind, model_name, request_id, tokenizer, logprobs is not None, n,
+                         sum(len(prompt) for prompt in prompts))
         if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_sse(streams, chunks, metrics, usage), media_type="text/event-stream")
+            options = body.stream_options or StreamOptions()
+            return StreamingResponse(_sse(streams, chunks, metrics, bool(options.include_usage),
+                                          bool(options.continuous_usage_stats)), media_type="text/event-stream")
         return await _until_disconnected(request, _collect(streams, chunks, metrics))
 
     return app
@@ -279,81 +222,7 @@ async def _parse(request: Request, model: type[_Body], limit: int) -> _Body:
     if max(size, seen) > limit:
         raise ApiError(413, f"the request body is {max(size, seen)}{'+' if seen > DRAIN_FACTOR * limit else ''} "
                             f"bytes; this server takes at most {limit} (--max-body-bytes)", code="request_too_large")
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ApiError(400, f"the body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise ApiError(400, "the body's JSON is nested too deeply") from None
-    try:  # a lone surrogate (JSON "\\ud800") is not Unicode text: no tokenizer takes it
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, "the body holds a lone surrogate (e.g. \\ud800), which is not valid Unicode text") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ApiError(400, f"{where}: {first['msg']} (got {_echo(first.get('input'))})", where or None) from None
-
-
-def _refuse_unsupported(body: _Body) -> None:
-    """An OpenAI field this server does not implement, set to anything but its "off" value: a 400 naming it."""
-    for name, value in (body.model_extra or {}).items():
-        if name in UNSUPPORTED and not any(value == off and type(value) is type(off) for off in UNSUPPORTED[name]
-                                           if off is not None) and value is not None:
-            raise ApiError(400, f"{name}={_echo(value)} is not supported by this server: leave {name} out", name)
-    stop = body.stop
-    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
-    if any(len(s) > MAX_STOP_LENGTH for s in ([stop] if isinstance(stop, str) else stop or [])):
-        raise ApiError(400, f"stop: a stop string may have at most {MAX_STOP_LENGTH} characters", "stop")
-
-
-def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
-    """/v1/completions' ``prompt``: one text or token-id list, or a list of them (a choice per prompt)."""
-    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return [prompt]
-    if len(prompt) > MAX_PROMPTS:
-        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", "prompt")
-    return list(prompt)
-
-
-def _logprobs_asked(body: _Body) -> int | None:
-    """How many top tokens per position the body asks for (None: no logprobs). Chat says ``logprobs: true``
-    and ``top_logprobs: k``; the legacy completions API says ``logprobs: k``."""
-    if isinstance(body, CompletionBody):
-        return body.logprobs
-    if body.top_logprobs is not None:
-        if not body.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-            raise ApiError(400, f"top_logprobs must be from 0 to {MAX_LOGPROBS}, got {body.top_logprobs}",
-                           "top_logprobs")
-    return (body.top_logprobs or 0) if body.logprobs else None
-
-
-def _sampling_params(body: _Body, prompt: list[int], context: int, logprobs: int | None = None) -> SamplingParams:
-    """The request's sampling fields as SamplingParams (a bad value: a 400 naming it)."""
-    max_tokens = body.max_tokens
-    if max_tokens is None:  # as vLLM does: whatever the context leaves after the prompt
-        max_tokens = max(1, context - len(prompt))
-    try:
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              max_tokens=max_tokens, stop=[] if body.stop is None else body.stop,
-                              stop_token_ids=body.stop_token_ids or [],
-                              ignore_eos=body.ignore_eos, seed=body.seed, logprobs=logprobs,
-                              include_stop_str_in_output=body.include_stop_str_in_output)
-    except ValueError as error:
-        raise ApiError(400, str(error), _param(str(error))) from None
-
-
-def _param(message: str) -> str | None:
-    """The request field an engine error names (its messages start with it), for OpenAI's ``param``."""
-    fields = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop", "seed", "logprobs")
-    return next((f for f in fields if message.startswith(f) or f"{f} (" in message), None)
+    return validate(loads(raw), model)
 
 
 @dataclass
@@ -366,6 +235,7 @@ class _Chunks:
     tokenizer: Any
     logprobs: bool = False  # the request asked for logprobs
     n: int = 1  # choices per prompt: usage counts each prompt once
+    prompt_tokens: int = 0  # of every prompt, each counted once (for usage while streaming)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _base(self, suffix: str = "") -> dict:
@@ -395,6 +265,12 @@ class _Chunks:
 
     def usage_chunk(self, lasts: list[StreamDelta]) -> dict:
         return self._base(".chunk" if self.kind == "chat" else "") | {"choices": [], "usage": self.usage(lasts)}
+
+    def usage_so_far(self, seen: list[StreamDelta | None]) -> dict:
+        """The prompts, and the output tokens of the choices' latest deltas (a choice not yet heard from: none)."""
+        prompt = self.prompt_tokens
+        completion = sum(d.num_output_tokens for d in seen if d is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def usage(self, lasts: list[StreamDelta]) -> dict:
         """Each prompt counted once (its n choices share it), every choice's completion tokens."""
@@ -474,24 +350,32 @@ class _Merged:
 
 
 async def _sse(streams: list[RequestStream], chunks: _Chunks, metrics: ServerMetrics,
-               include_usage: bool) -> AsyncIterator[str]:
-    """The choices' deltas as server-sent events, each chunk naming its choice's index. The stream closes
-    (aborting every unfinished choice) if the client leaves, or when a choice fails."""
+               include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
+    """The choices' deltas as server-sent events, each chunk naming its choice's index; with ``continuous_usage``
+    (vLLM's ``continuous_usage_stats``) each chunk also carries the usage so far. The stream closes (aborting
+    every unfinished choice) if the client leaves, or when a choice fails."""
     merged, lasts, offsets = _Merged(streams), [None] * len(streams), [0] * len(streams)
+    seen: list[StreamDelta | None] = [None] * len(streams)  # each choice's latest delta: its counts so far
+
+    def line(chunk: dict) -> str:
+        if continuous_usage:
+            chunk["usage"] = chunks.usage_so_far(seen)
+        return _sse_line(chunk)
     try:
         if chunks.kind == "chat":
             for index in range(len(streams)):
-                yield _sse_line(chunks.chunk(index, "", role=True))
+                yield line(chunks.chunk(index, "", role=True))
         async for index, delta in merged:
+            seen[index] = delta
             logprobs = None
             if chunks.logprobs and delta.logprobs:
                 logprobs, offsets[index] = chunks.logprobs_object(delta.logprobs, offsets[index])
             if delta.text or logprobs:
-                yield _sse_line(chunks.chunk(index, delta.text, logprobs=logprobs))
+                yield line(chunks.chunk(index, delta.text, logprobs=logprobs))
             if delta.finished:
                 metrics.observe(delta)
                 lasts[index] = delta
-                yield _sse_line(chunks.chunk(index, None if chunks.kind == "chat" else "", delta.finish_reason))
+                yield line(chunks.chunk(index, None if chunks.kind == "chat" else "", delta.finish_reason))
         if include_usage:
             yield _sse_line(chunks.usage_chunk(lasts))
     except EngineDead as error:  # a stream that ends in an error still ends cleanly: the error, then [DONE]

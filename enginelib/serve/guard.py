@@ -7,8 +7,10 @@ as vLLM and other local servers do:
 
 - an API key (``--api-key`` or ``$ENGINELIB_API_KEY``): ``Authorization: Bearer <key>``
   on every ``/v1`` route, else 401 (``/health`` and ``/metrics`` stay open, as in vLLM);
-- ``Content-Type: application/json`` on every POST, else 415 (a page cannot send that
-  cross-origin without a preflight, which this server never answers);
+- ``Content-Type: application/json`` on every POST to a route that reads a body, else 415 (a
+  page cannot send that cross-origin without a preflight, which this server never answers);
+  a POST to any other path is the app's to answer (404, or 405 for ``POST /health``): the
+  wrong method is the first thing wrong with it;
 - when bound to loopback, the ``Host`` header must name loopback, else 400 (a rebound
   name such as ``evil.example`` carries its own ``Host``).
 
@@ -51,8 +53,10 @@ def error_object(status: int, message: str, code: str | None = None, param: str 
 class Guard:
     """Refuses, before the app sees it, a request without the key, JSON, or a loopback Host."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None = None, loopback_only: bool = False) -> None:
-        self.app, self.api_key, self.loopback_only = app, api_key, loopback_only
+    def __init__(self, app: ASGIApp, *, api_key: str | None = None, loopback_only: bool = False,
+                 json_paths: frozenset[str] | None = None) -> None:
+        """``json_paths``: the routes whose POST bodies must be JSON (None: every POST)."""
+        self.app, self.api_key, self.loopback_only, self.json_paths = app, api_key, loopback_only, json_paths
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
@@ -79,7 +83,7 @@ class Guard:
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return 401, "a valid API key is required: send the header 'Authorization: Bearer <key>'", "invalid_api_key"
-        if scope.get("method") == "POST":
+        if scope.get("method") == "POST" and (self.json_paths is None or path in self.json_paths):
             media = headers.get("content-type", "").split(";")[0].strip().lower()
             if media != "application/json":
                 return (415, f"the body must be JSON, sent with 'Content-Type: application/json' "
