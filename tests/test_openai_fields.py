@@ -422,14 +422,17 @@ def test_greedy_output_with_default_params_is_unchanged_offline(real):
 
 
 def test_openapi_describes_the_real_bodies_errors_key_and_metrics(served):
-    schema = call(served[1], "GET", "/openapi.json").json()
+    keyed = call(build_app(served[0], MODEL, api_key="k"), "GET", "/openapi.json").json()
+    assert keyed["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    assert keyed["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
+    assert "401" in keyed["paths"]["/v1/models"]["get"]["responses"]
+    schema = call(served[1], "GET", "/openapi.json").json()  # no --api-key: no key asked for (schemathesis' ST401)
     components = schema["components"]
-    assert components["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    assert "securitySchemes" not in components and "security" not in schema["paths"]["/v1/models"]["get"]
     for path, body in (("/v1/completions", "CompletionBody"), ("/v1/chat/completions", "ChatBody")):
         post_op = schema["paths"][path]["post"]
         assert post_op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(body)
-        assert post_op["security"] == [{"bearer": []}]
-        assert {"400", "401", "413", "415", "503"} <= set(post_op["responses"])
+        assert {"400", "413", "415", "503"} <= set(post_op["responses"]) and "401" not in post_op["responses"]
         assert post_op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorBody")
     fields = components["schemas"]["CompletionBody"]["properties"]
     assert {"min_p", "min_tokens", "repetition_penalty", "max_completion_tokens", "stop_token_ids"} <= set(fields)

@@ -83,7 +83,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
     def openapi() -> dict:
         if app.openapi_schema is None:
             app.openapi_schema = openapi_schema(get_openapi(title=app.title, version=app.version,
-                                                            description=app.description, routes=app.routes))
+                                                            description=app.description, routes=app.routes),
+                                                keyed=api_key is not None)
         return app.openapi_schema
     app.openapi = openapi
 

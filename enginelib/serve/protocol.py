@@ -280,9 +280,10 @@ ERRORS = {400: "a bad field, named in param", 401: "no valid API key (--api-key)
           503: "the engine is busy (Retry-After) or stopped"}
 
 
-def openapi_schema(base: dict) -> dict:
+def openapi_schema(base: dict, keyed: bool) -> dict:
     """FastAPI's schema of the routes, with what they really take and answer: the request bodies (validated by
-    hand, so FastAPI cannot see them), the error object, the bearer key on /v1 and /metrics as Prometheus text."""
+    hand, so FastAPI cannot see them), the error object, the bearer key on /v1 when the server has one (``keyed``:
+    a schema that asks for a key the server does not check is wrong too) and /metrics as Prometheus text."""
     template = "#/components/schemas/{model}"
     schemas = base.setdefault("components", {}).setdefault("schemas", {})
     for model in (CompletionBody, ChatBody, ErrorBody):
@@ -291,11 +292,12 @@ def openapi_schema(base: dict) -> dict:
         if model is not ErrorBody:
             schema["additionalProperties"] = False  # an unknown field is a 400 (null for a REFUSED one is taken)
         schemas[model.__name__] = schema
-    base["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    if keyed:
+        base["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     error = {"content": {"application/json": {"schema": {"$ref": template.format(model="ErrorBody")}}}}
     for path, operations in base.get("paths", {}).items():
         for operation in operations.values():
-            if path.startswith("/v1"):
+            if keyed and path.startswith("/v1"):
                 operation["security"] = [{"bearer": []}]
             body = {"/v1/completions": CompletionBody, "/v1/chat/completions": ChatBody}.get(path)
             if body is not None:
@@ -306,7 +308,10 @@ def openapi_schema(base: dict) -> dict:
             if path == "/metrics":
                 operation["responses"]["200"] = {"description": "Prometheus metrics",
                                                  "content": {"text/plain": {"schema": {"type": "string"}}}}
+            keyed_route = keyed and path.startswith("/v1")
             for status, why in ERRORS.items():
-                if body is not None or status in (404, 405, 503) or (status == 401 and path.startswith("/v1")):
+                if status == 401 and not keyed_route:
+                    continue  # no key asked for, none refused
+                if body is not None or status in (401, 404, 405, 503):
                     operation["responses"].setdefault(str(status), {"description": why, **error})
     return base
