@@ -172,8 +172,15 @@ if error is None:
     result["enginelib"] = enginelib.__file__
     result["torch_runtime"] = torch.__version__
     result["cuda"] = torch.cuda.is_available()
+    import os
+    result["reader_files"] = sorted(os.listdir("myengine")) if os.path.isdir("myengine") else None
 print("RESULT" + json.dumps(result))
 """
+
+
+def local_raw(source: str, repo: Path) -> str:
+    """A setup cell's raw-file URL (the reader's engine files) pointed at the local clone."""
+    return re.sub(r"https://raw\.githubusercontent\.com/[^/\s\"']+/[^/\s\"']+/[^/\s\"']+", f"file://{repo}", source)
 
 
 def in_colab(vpy: Path, source: str, work: Path) -> dict:
@@ -200,14 +207,19 @@ def rehearse_setup_cells(vpy: Path, repo: Path, work: Path, cells: dict[str, str
         start = time.perf_counter()
         run([str(vpy), "-m", "pip", "uninstall", "-y", "-q", "enginelib"])  # a fresh runtime
         local, n = re.subn(r"git\+https://[^\s\"']+", url, source)
+        local = local_raw(local, repo)
         if n == 0:
             report.check(f"{label}: setup cell", False, 0.0, "no `git+https://` install URL in the first cell")
             continue
         result = in_colab(vpy, local, work)
         moved = {k: v for k, v in result["versions"].items() if v != want[k.lower()]}
-        ok = result["error"] is None and not moved and "enginelib" in result
+        want_files = sorted(p.name for p in (repo / "book" / "myengine").glob("*.py"))
+        got_files = result.get("reader_files")
+        ok = result["error"] is None and not moved and "enginelib" in result and got_files == want_files
         detail = result["error"] or (f"versions moved: {moved}" if moved else
-                                     f"import enginelib ok; torch {result['torch_runtime']}, cuda={result['cuda']}")
+                                     f"the reader's files {got_files}, not {want_files}" if got_files != want_files else
+                                     f"import enginelib ok; torch {result['torch_runtime']}, cuda={result['cuda']}; "
+                                     f"the reader's engine fetched: {', '.join(got_files)}")
         report.check(f"{label}: the setup cell installs enginelib, Colab's versions kept", ok,
                      time.perf_counter() - start, detail)
 
@@ -313,6 +325,28 @@ def rehearse_chapter(vpy: Path, repo: Path, chapter: str, report: Report) -> Non
                  time.perf_counter() - start, (out.stdout + out.stderr).strip()[-3000:])
 
 
+def rehearse_alone(vpy: Path, repo: Path, work: Path, chapter: str, report: Report) -> None:
+    """Open a chapter alone, as Colab does: its notebook in an empty folder, its setup cell run as in Colab
+    (installing enginelib and fetching the reader's engine files of earlier chapters), then top to bottom."""
+    import nbformat
+
+    start = time.perf_counter()
+    alone = work / "alone"
+    alone.mkdir()
+    nb = nbformat.read(repo / chapter, as_version=4)
+    setup = re.sub(r"git\+https://[^\s\"']+", f"git+file://{repo}", local_raw(nb.cells[0].source, repo))
+    nb.cells[0].source = ('import sys, types\nsys.modules["google.colab"] = types.ModuleType("google.colab")\n' + setup)
+    path = alone / Path(chapter).name
+    nbformat.write(nb, path)
+    env = {**os.environ, "ENGINELIB_THREADS": os.environ.get("ENGINELIB_THREADS", "1")}
+    env.pop("PYTHONPATH", None)
+    run([str(vpy), "-m", "ipykernel", "install", "--prefix", str(vpy.parent.parent), "--name", "colab-rehearsal"])
+    out = run([str(vpy), "-c", EXECUTE, str(path), str(alone)], cwd=alone, env=env)
+    fetched = sorted(p.name for p in (alone / "myengine").glob("*.py")) if (alone / "myengine").is_dir() else []
+    report.check(f"open {chapter} alone (an empty folder, the setup cell as in Colab) and run it", out.returncode == 0,
+                 time.perf_counter() - start, f"reader's files: {fetched}\n" + (out.stdout + out.stderr).strip()[-3000:])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", type=Path, default=Path(os.environ.get("COLAB_VENV", ROOT / "_build" / "colab-venv")),
@@ -320,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", help="a Python 3.13 (default: pyenv's)")
     parser.add_argument("--execute", metavar="CHAPTER", action="append", default=[],
                         help="also run this chapter (e.g. book/01_model.ipynb) in the venv")
+    parser.add_argument("--alone", metavar="CHAPTER", action="append", default=[],
+                        help="also open this chapter alone in an empty folder, its setup cell run as in Colab")
     parser.add_argument("--as-synced", action="store_true",
                         help="rehearse the setup cells .ci/sync_notebooks.py would write, not the committed ones")
     args = parser.parse_args(argv)
@@ -335,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         rehearse_widgets(vpy, work, report)
         for chapter in args.execute:
             rehearse_chapter(vpy, repo, chapter, report)
+        for chapter in args.alone:
+            rehearse_alone(vpy, repo, work, chapter, report)
     print(f"\nColab rehearsal took {time.perf_counter() - start:.0f} s")
     return report.summary()
 

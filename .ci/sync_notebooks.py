@@ -40,7 +40,13 @@ if "google.colab" in sys.modules:
             "What to do: check that this runtime is connected and has internet, then Runtime > Restart session "
             f"and run this cell again. Or install it by hand in a new cell:  !pip install \\"{{SPEC}}\\"\\n"
             "More help: {url}#run-a-chapter-in-colab")
-    importlib.invalidate_caches()  # a package installed just now imports in this same session: no restart'''
+    importlib.invalidate_caches()  # a package installed just now imports in this same session: no restart
+    # The engine you build from chapter 5 on (book/myengine/), every file of it: a chapter opened alone needs earlier ones'.
+    import os, urllib.request
+    os.makedirs("myengine", exist_ok=True)
+    for name in {reader_files}:
+        if not os.path.exists(f"myengine/{{name}}"):  # your own edits stay
+            urllib.request.urlretrieve(f"{raw}/book/myengine/{{name}}", f"myengine/{{name}}")'''
 RUNTIMES = ROOT / "book" / "runtimes.json"
 RUNS_LINE = re.compile(r"[ \n]*\*\*It\s+runs\*\*.*?(?=\n```)", re.S)
 README_TABLE = re.compile(r"(<!-- runtimes:[^\n]*-->\n).*?(?=<!-- /runtimes -->)", re.S)
@@ -59,8 +65,18 @@ def colab_url(path: Path) -> str:
 
 
 def setup_source(url: str | None = None) -> str:
-    """The setup cell every chapter starts with, installing from ``url`` (default: _config.yml's)."""
-    return SETUP.format(url=url or repository()[0])
+    """The setup cell every chapter starts with, installing from ``url`` (default: _config.yml's); the reader's
+    engine files come from the same repository's raw files (GitHub's, or ``file://`` beside a local one)."""
+    url = url or repository()[0]
+    match = GITHUB.match(url)
+    raw = (f"https://raw.githubusercontent.com/{match[1]}/{match[2]}/{repository()[1]}" if match else
+           url.removeprefix("git+"))
+    return SETUP.format(url=url, raw=raw, reader_files=reader_files())
+
+
+def reader_files() -> list[str]:
+    """The files of the reader's package, book/myengine/, that the chapters' %%writefile cells write."""
+    return sorted(p.name for p in (ROOT / "book" / "myengine").glob("*.py"))
 
 
 def synced(text: str, path: Path) -> str:

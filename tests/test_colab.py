@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import types
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,15 +31,30 @@ def run_setup_cell(source: str, monkeypatch, in_colab: bool) -> None:
     exec(compile(source, "setup-cell", "exec"), {})
 
 
-def test_the_setup_cell_does_nothing_outside_colab(monkeypatch):
+def test_the_setup_cell_does_nothing_outside_colab(monkeypatch, tmp_path):
     sync = load_ci_module("sync_notebooks")
-    calls = []
+    calls, fetched = [], []
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: calls.append(args) or
                         types.SimpleNamespace(returncode=0, stdout="", stderr=""))
+    monkeypatch.setattr(urllib.request, "urlretrieve", lambda url, dest: fetched.append((url, dest)))
     run_setup_cell(sync.setup_source("https://invalid.invalid/nothing"), monkeypatch, in_colab=False)
-    assert calls == [], "outside Colab the setup cell must not run pip"
+    assert calls == [] and fetched == [], "outside Colab the setup cell must not run pip or fetch files"
+    (tmp_path / "myengine").mkdir()
+    (tmp_path / "myengine" / "block_pool.py").write_text("# the reader's own edit\n")
     run_setup_cell(sync.setup_source("https://invalid.invalid/nothing"), monkeypatch, in_colab=True)
     assert calls and "enginelib @ git+https://invalid.invalid/nothing" in calls[0][0], calls
+    # in Colab it fetches the reader's engine files it lacks, and leaves the reader's own edits alone
+    names = {dest for _, dest in fetched}
+    assert "myengine/engine.py" in names and "myengine/block_pool.py" not in names, fetched
+    assert all(url == f"https://invalid.invalid/nothing/book/{dest}" for url, dest in fetched), fetched
+
+
+def test_the_setup_cell_fetches_from_the_repositorys_raw_files():
+    sync = load_ci_module("sync_notebooks")
+    source = sync.setup_source("https://github.com/someone/some-book")
+    assert "https://raw.githubusercontent.com/someone/some-book/" in source
+    assert all(f"'{p.name}'" in source for p in (ROOT / "book" / "myengine").glob("*.py"))
 
 
 def test_a_failing_install_says_what_happened_and_what_to_do(monkeypatch, tmp_path):
@@ -66,8 +82,11 @@ def test_colab_rehearsal():
             pytest.fail("CI needs Python 3.13 for the Colab rehearsal: pyenv install 3.13, or set COLAB_PYTHON")
         pytest.skip("no Python 3.13 (pyenv) for the Colab rehearsal")
     chapters = os.environ.get("COLAB_REHEARSAL_EXECUTE", "book/01_model.ipynb").split()
+    # a chapter opened alone (an empty folder, as Colab opens it): it fetches the earlier chapters' engine files
+    alone = os.environ.get("COLAB_REHEARSAL_ALONE", "book/07_continuous_batching.ipynb").split()
     done = subprocess.run([sys.executable, str(ROOT / ".ci" / "colab_rehearsal.py"),
-                           *(arg for chapter in chapters for arg in ("--execute", chapter))],
+                           *(arg for chapter in chapters for arg in ("--execute", chapter)),
+                           *(arg for chapter in alone for arg in ("--alone", chapter))],
                           cwd=ROOT, capture_output=True, text=True)
     print(done.stdout[-20000:], done.stderr[-5000:])
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]

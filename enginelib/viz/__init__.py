@@ -27,11 +27,12 @@ from enginelib.viz.figures import (
     token_gaps,
 )
 from enginelib.viz.player import BlockMapPlayer
+from enginelib.viz.source import show_source
 
 __all__ = [
     "FREE_COLOR", "STATE_COLORS", "STATE_LABELS", "BlockMapPlayer", "EngineExplorer", "Segment", "StepMix",
     "busiest_frame", "diagrams", "engine_timeline_segments", "ink_for", "plot_block_map", "plot_budget_tradeoff",
     "plot_engine_step", "plot_engine_timeline", "plot_padding", "plot_static_timeline", "plot_step_mix",
-    "plot_token_gaps", "request_color", "request_state", "sort_ids", "static_timeline_segments", "step_mix",
-    "token_gaps",
+    "plot_token_gaps", "request_color", "request_state", "show_source", "sort_ids", "static_timeline_segments",
+    "step_mix", "token_gaps",
 ]
