@@ -83,7 +83,7 @@ def test_colab_rehearsal():
         pytest.skip("no Python 3.13 (pyenv) for the Colab rehearsal")
     chapters = os.environ.get("COLAB_REHEARSAL_EXECUTE", "book/01_model.ipynb").split()
     # a chapter opened alone (an empty folder, as Colab opens it): it fetches the earlier chapters' engine files
-    alone = os.environ.get("COLAB_REHEARSAL_ALONE", "book/07_continuous_batching.ipynb").split()
+    alone = os.environ.get("COLAB_REHEARSAL_ALONE", "book/09_prefix_caching.ipynb").split()
     done = subprocess.run([sys.executable, str(ROOT / ".ci" / "colab_rehearsal.py"),
                            *(arg for chapter in chapters for arg in ("--execute", chapter)),
                            *(arg for chapter in alone for arg in ("--alone", chapter))],
