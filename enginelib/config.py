@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 # Below this a temperature is greedy; below MIN_TEMPERATURE it is raised to it: dividing logits by, say, 1e-38
@@ -35,8 +35,10 @@ class SamplingParams:
     """How to pick tokens and when to stop, like vLLM's. ``temperature=0``: greedy; ``top_k`` of 0 or -1 and ``top_p``
     of 1: off. A stop string ends the text before it, unless ``include_stop_str_in_output``. ``seed``: reproducible
     sampling per request. ``logprobs`` (0..20, None: off): each token's log-probability and the likeliest tokens', from
-    the raw logits. ``n`` samples per prompt: ``LLM.generate`` runs ``n`` requests (seeded ``seed + j``) sharing the
-    prompt's blocks; an ``Engine`` request is one sample. ``min_p``, ``min_tokens`` and the penalties are vLLM's."""
+    the raw logits. ``prompt_logprobs`` (0..20, None: off, vLLM's): each prompt token's log-probability given the
+    tokens before it and the likeliest tokens' there (the first token has none); such a request computes its whole
+    prompt, taking no prefix-cache hits for it. ``n`` samples per prompt: ``LLM.generate`` runs ``n`` requests
+    (seeded ``seed + j``) sharing the prompt's blocks; an ``Engine`` request is one sample. ``min_p``, ``min_tokens`` and the penalties are vLLM's."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -54,6 +56,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,9 +102,11 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise ValueError(f"seed must fit in 64 bits ({SEED_RANGE[0]} to {SEED_RANGE[1] - 1}), got {self.seed}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens to report "
-                             f"per position), or None for none; got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens to "
+                                 f"report per position), or None for none; got {value!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n (samples per prompt) must be a positive integer, got {self.n!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -115,6 +120,13 @@ class SamplingParams:
     @property
     def uses_history(self) -> bool:  # penalties and min_tokens read the tokens so far (model/logits_processors.py)
         return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    def sample(self, j: int) -> SamplingParams:
+        """Sample ``j`` of ``n`` as a request of its own (as vLLM's child requests): seeded ``seed + j``, wrapped
+        around the 64 bits a seed may take (a seed of 2**64 - 1 with n = 2 is valid, its second sample too)."""
+        low, high = SEED_RANGE
+        seed = None if self.seed is None else (self.seed + j - low) % (high - low) + low
+        return replace(self, n=1, seed=seed)
 
 
 def finish_reason(token: int, num_generated: int, params: SamplingParams, eos_token_id: int | None) -> str | None:
@@ -192,7 +204,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4       # n-gram: the longest suffix looked up earlier in the sequence
     prompt_lookup_min: int = 1       # n-gram: the shortest one tried before giving up for this step
     draft_model: Any = field(default=None, compare=False, repr=False)  # method "draft": a Transformer
-    compile_draft: bool = False      # draft: its one-token steps through one compiled graph (CPU, float32)
+    compile_draft: bool = False      # draft: its one-token steps through one compiled graph
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens

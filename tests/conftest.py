@@ -1,8 +1,8 @@
 """Shared fixtures: the real model is loaded once per test session.
 
 ``ENGINELIB_TEST_DEVICE=cuda`` puts the engine tests' models on that device (default: cpu):
-``real``, ``real_f32`` and ``tiny_dt``; ``tiny`` stays on the CPU for the tests that mix
-it with CPU tensors (test_model.py).
+``real``, ``real_f32``, ``tiny_dt`` and ``tiny``, except in the modules of :data:`TINY_ON_CPU`, whose
+tests mix ``tiny`` with tensors they make on the CPU or test CPU-only code with it.
 ``ENGINELIB_DTYPE=float16`` (or bfloat16) runs the engine tests in that dtype:
 ``real`` follows it, ``real_f32`` and ``tiny`` stay float32 for the tests that are
 float32 by nature (the transformers oracle, tolerances of 1e-5). Greedy tokens
@@ -87,19 +87,35 @@ def pytest_terminal_summary(terminalreporter):
             f"divergences {[round(d.margin, 4) for d in ties]}")
 
 
+# Test modules where ``tiny`` stays on the CPU whatever DEVICE is, and why (the GPU check runs the rest on the GPU).
+TINY_ON_CPU = {
+    "test_model": "its tests feed the model token ids they make on the CPU",
+    "test_quant": "its tests feed CPU token ids and register CPU-only stand-in kernels",
+    "test_compiled": "inductor's C++ wrapper, oneDNN linears and random caches made on the CPU",
+    "test_cpu_kernels": "our C++ kernels run on the CPU only",
+    "test_fake_cuda": "it makes fake CUDA tensors from the CPU model's (FakeTensorMode, no GPU needed)",
+}
+
+
+def tiny_device(module: str, device: torch.device = DEVICE) -> torch.device:
+    """Where the ``tiny`` fixture puts the model for a test of ``module`` (its name, e.g. "test_paged")."""
+    return torch.device("cpu") if module in TINY_ON_CPU else device
+
+
 @pytest.fixture
-def tiny() -> Transformer:
-    """A random-weight toy model: the same code, seconds instead of minutes."""
+def tiny(request) -> Transformer:
+    """A random-weight toy model in float32, on DEVICE (the CPU for :data:`TINY_ON_CPU`): the same code, seconds
+    instead of minutes. Its weights are drawn on the CPU, so they are the same on every device."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny())
     for p in model.parameters():  # random norms too, so a mix-up of weights shows
         torch.nn.init.normal_(p, std=0.2)
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).to(tiny_device(request.module.__name__.rsplit(".", 1)[-1]))
 
 
 @pytest.fixture
 def tiny_dt(tiny):
-    """The tiny model in the default dtype ($ENGINELIB_DTYPE) on DEVICE, for the engine; ``tiny`` stays float32 on the CPU."""
+    """The tiny model in the default dtype ($ENGINELIB_DTYPE) on DEVICE, for the engine; ``tiny`` stays float32."""
     return copy.deepcopy(tiny).to(device=DEVICE, dtype=default_dtype())
 
 

@@ -88,10 +88,11 @@ def test_the_runner_loads_the_speed_code_a_config_asks_for():
 
 def test_the_core_reads_in_one_sitting():
     """The core a reader must understand (scheduler, KV manager, block pool, batch, request, runner, output processor,
-    engine, configs, model) stays readable in one sitting: at most 2,200 physical lines in all, no file over 300. What
-    is left out lives outside the core on purpose: the speed code, serving, pictures and benchmark."""
+    engine, configs, model) stays readable in one sitting: at most 2,300 physical lines in all (2,200 until prompt
+    logprobs came in), no file over 300. What is left out lives outside the core on purpose: the speed code, serving,
+    pictures and benchmark."""
     lines = {name: (PACKAGE / f"{name}.py").read_text().count("\n") for name in ONE_SITTING}  # as wc -l counts
-    assert sum(lines.values()) <= 2200, f"the core is {sum(lines.values())} lines: {lines}"
+    assert sum(lines.values()) <= 2300, f"the core is {sum(lines.values())} lines: {lines}"
     assert all(n <= 300 for n in lines.values()), {name: n for name, n in lines.items() if n > 300}
 
 

@@ -67,26 +67,61 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
 
 # The q8 kernels' tiles: one block of 4 output rows by 2 activation rows, then 1 (M = 3); N = 13 ends in a
 # block with one real row. K = 160: five groups of 32; K = 576, the model's: eighteen
-@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "plain"])
+def q8_args(fmt: str, n: int, k: int):
+    """A random weight in the q8 kernels' layout: rows in blocks of 4 (13 rows: the last block has one)."""
+    qw = quantize_weight(weight(n, k, seed=n), fmt)
+    kernel = cpu_kernels.int4q8_linear if fmt == "int4" else cpu_kernels.int8q8_linear
+    if fmt != "int4":
+        scale = cpu_kernels.interleave(qw.scale) if fmt == "q8_0" else qw.scale  # q8_0: a scale per group
+        return qw, kernel, (cpu_kernels.interleave(qw.data.reshape(n, k // 32, 32)), scale, n)
+    return qw, kernel, (*(cpu_kernels.interleave(t) for t in (qw.data, qw.scale, qw.minimum)), n)
+
+
+def built_q8_path(path: str) -> str:
+    """``path`` where this CPU's build has it; else the test is skipped, saying which CPU feature it needs."""
+    why = cpu_kernels.unavailable()
+    if why is None and path not in cpu_kernels.q8_paths():
+        why = "it lacks the instructions: avx2_vnni needs AVX-VNNI or AVX-512 VNNI, avx512_vnni AVX-512 BW and VNNI"
+    if why:
+        pytest.skip(f"the q8 path {path!r} is not built on this CPU ({why})")
+    return path
+
+
+@pytest.mark.parametrize("path", cpu_kernels.Q8_PATHS)
 @pytest.mark.parametrize("k", [160, 576])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0"])
-def test_q8_kernels_multiply_the_rounded_activations_exactly(fmt, k, simd):
-    """cpp_q8 = (x rounded per group of 32) times the stored weight, up to float32 rounding: the only
-    error is the activations' rounding, about 0.5%; and a row gets the same bits alone or in a batch."""
+def test_q8_kernels_multiply_the_rounded_activations_exactly(fmt, k, path):
+    """cpp_q8 = (x rounded per group of 32) times the stored weight, up to float32 rounding, on every path
+    this CPU builds: the only error is the activations' rounding, about 0.5%; and a row gets the same bits
+    alone or in a batch."""
+    path = built_q8_path(path)
     for n in (13, 96):
-        qw = quantize_weight(weight(n, k, seed=n), fmt)
-        kernel = cpu_kernels.int4q8_linear if fmt == "int4" else cpu_kernels.int8q8_linear
-        if fmt != "int4":  # the kernels' layout: rows in blocks of 4 (13 rows: the last block has one)
-            scale = cpu_kernels.interleave(qw.scale) if fmt == "q8_0" else qw.scale  # q8_0: a scale per group
-            args = (cpu_kernels.interleave(qw.data.reshape(n, k // 32, 32)), scale, n)
-        else:
-            args = (*(cpu_kernels.interleave(t) for t in (qw.data, qw.scale, qw.minimum)), n)
+        qw, kernel, args = q8_args(fmt, n, k)
         for m in (1, 3, 32):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            got = kernel(x, *args, simd=simd)
+            got = kernel(x, *args, path=path)
             assert rel(got, torch.nn.functional.linear(rounded(x), qw.dequantize())) < TOL
             assert 1e-3 < rel(got, torch.nn.functional.linear(x, qw.dequantize())) < 1e-2
-            assert torch.equal(kernel(x[-1:], *args, simd=simd)[0], got[-1])
+            assert torch.equal(kernel(x[-1:], *args, path=path)[0], got[-1])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0"])
+def test_vnni_at_256_bits_gives_avx2s_bits(fmt):
+    """vpdpbusd sums the same byte products into the same int32 as maddubs + madd (no int16 saturates: |w|, |x|
+    <= 128 and 127), and the float sums run in the same order: the same bits, so the same tokens."""
+    built_q8_path("avx2_vnni")
+    _, kernel, args = q8_args(fmt, 96, 576)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(kernel(x, *args, path="avx2_vnni"), kernel(x, *args, path="avx2"))
+
+
+def test_the_fastest_built_path_is_the_default_and_a_missing_one_is_named():
+    built_q8_path("avx2")
+    _, kernel, args = q8_args("int4", 13, 160)
+    x = torch.randn(2, 160, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(kernel(x, *args), kernel(x, *args, path=cpu_kernels.q8_paths()[-1]))
+    with pytest.raises(RuntimeError, match="path .avx9. is not built on this CPU"):
+        kernel(x, *args, path="avx9")
 
 
 def test_the_simd_path_is_built_where_the_cpu_has_avx2():

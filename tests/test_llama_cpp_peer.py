@@ -1,11 +1,21 @@
 """llama.cpp as a peer in the benchmark: optional, on the same GGUF file, with clear errors where it cannot run."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from enginelib import EngineConfig, bench
+from enginelib.bench import cli
 from enginelib.bench import llama_cpp as llama
+from enginelib.bench.llama_cpp_tools import parse_llama_bench, tg_tok_per_s
+
+from .test_llama_cpp_tools import fake_tools, recorded
 
 MISSING = "ModuleNotFoundError: No module named 'llama_cpp'"
 
@@ -19,7 +29,10 @@ def test_asking_for_llama_cpp_without_it_names_the_install_command(monkeypatch, 
     assert MISSING in err
     with pytest.raises(SystemExit):  # and it is not offered
         bench.main(["--help"])
-    assert "llama_cpp" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "llama_cpp" not in out[out.index("--systems"):out.index("--model")]  # not a system or section
+    assert "--llama-cpp-bin DIR" in out  # llama.cpp's own tools need no llama-cpp-python
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # an import that fails, also where it is installed
     with pytest.raises(ValueError, match="pip install llama-cpp-python"):
         llama.LlamaCpp(llama.gguf_path("smollm2-135m"), threads=1)
 
@@ -60,3 +73,50 @@ def test_llama_cpp_runs_two_requests_on_the_same_gguf(real):
     engine = bench.run_engine(model, tok, wl, EngineConfig())
     same = llama.agreement(engine, result)
     assert 0 <= same["texts_equal"] <= 1 and 0 <= same["common_prefix_frac"] <= 1
+
+
+FAKE = Path(__file__).parent / "fixtures" / "fake_llama_cpp"
+
+
+def test_a_llama_cpp_that_segfaults_ends_with_a_report_and_exit_code_0(tmp_path):
+    # the whole benchmark, as a reader runs it, with a stand-in llama_cpp that segfaults in its first llama_decode
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE), *sys.path]))
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "enginelib.bench", "--quick", "--systems", "engine,llama_cpp",
+                          "--naive-requests", "1", "--json", str(out)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    crashed = "llama.cpp crashed: signal 11 (SIGSEGV) in llama_decode"
+    assert crashed in run.stdout and "the rest of the benchmark ran without it" in run.stdout
+    assert f"bench: {crashed}; the benchmark goes on without it" in run.stderr  # said when it happened
+    report = json.loads(out.read_text())
+    section = report["llama_cpp"]
+    assert section["crashed"] == crashed and section["signal"] == 11 and section["call"] == "llama_decode"
+    assert section["cpu"] == report["machine"]["cpu_label"] and report["machine"]["cpu"]["model"]
+    assert any(crashed in note for note in report["notes"])
+    assert "llama_cpp" not in report["systems"] and report["systems"]["engine"]["tok_per_s"] > 0
+    assert report["ratios"]["single_stream_vs_llama_cpp"] is None  # nothing measured is made up
+    assert report["kv_waste"]["paged"] > 0  # the sections after the crash ran
+
+
+def test_llama_cpp_bin_puts_the_tools_beside_the_engine_in_the_report(tmp_path, monkeypatch, capsys):
+    # the whole --llama-cpp-bin path in a quick run, the tools a DIR of scripts printing recorded output;
+    # the fastest engines run eager here (compiling them takes minutes; the comparison's path is the same)
+    monkeypatch.setattr(cli, "compile_unavailable", lambda device: "eager in this test")
+    threads = 2
+    bin_dir = fake_tools(tmp_path, gguf=llama.gguf_path("smollm2-135m"), threads=threads)
+    report = bench.main(["--quick", "--systems", "engine", "--threads", str(threads), "--llama-cpp-bin", str(bin_dir)])
+    section = report["llama_cpp_bin"]
+    assert section["bin"] == str(bin_dir) and section["threads"] == threads and section["cmake"]["GGML_NATIVE"] == "ON"
+    assert section["format"] == "Q4_1 (token_embd.weight Q8_0)" and section["cpu"] == report["machine"]["cpu_label"]
+    assert section["single_stream_tok_per_s"] == max(map(tg_tok_per_s, parse_llama_bench(recorded("llama-bench.json"))))
+    for key, ours in (("single_stream_vs_llama_cpp_bin", "engine_single_stream_tok_per_s"),
+                      ("single_stream_fastest_vs_llama_cpp_bin", "fast_single_stream_tok_per_s"),
+                      ("decode_b32_vs_llama_cpp_bin", "engine_decode_b32_tok_per_s"),
+                      ("decode_b32_fastest_vs_llama_cpp_bin", "fast_decode_b32_tok_per_s")):
+        theirs = section["decode_b32_tok_per_s" if "b32" in key else "single_stream_tok_per_s"]
+        assert report["ratios"][key] == pytest.approx(section[ours] / theirs) and section[ours] > 0
+    assert "int4 layers" in section["fast_format"] and "compiled" not in section["fast_format"]
+    out = capsys.readouterr().out
+    assert f"ratios (on {report['machine']['cpu_label']})" in out
+    assert "llama.cpp's tools (commit" in out and "GGML_NATIVE=ON" in out and "llama-batched-bench pp64 tg32 B32" in out

@@ -8,6 +8,7 @@ import torch
 
 from enginelib.baselines.kv_cache import ContiguousKVCache
 from enginelib.model import ModelConfig, Transformer, apply_rope, attention, attention_mask, rope_cos_sin
+from enginelib.model import packing
 from enginelib.model.device import PackedLinear, can_pack, pack_linears
 
 from .conftest import hf_weights
@@ -82,6 +83,48 @@ def test_packed_linear_layers_compute_what_the_plain_ones_do(tiny):
     layer = tiny.layers[0].mlp.down_proj.to(torch.bfloat16)  # the packed copy is float32: the weight serves
     x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), x @ layer.weight.T)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("speedup, pack", [({"1": 0.79, "32": 1.5}, False), ({"1": 1.48, "32": 1.49}, True)],
+                         ids=["slower-at-batch-1", "faster-at-both"])
+def test_packing_is_chosen_by_timing_once_per_cpu(tiny, monkeypatch, tmp_path, speedup, pack):
+    """Packing where it is not slower at batch 1 or 32 (an Intel Xeon's 0.79x at batch 1 says no); the verdict is
+    remembered, so the next load does not time again; the model keeps it."""
+    monkeypatch.setenv("ENGINELIB_CACHE", str(tmp_path))
+    monkeypatch.setattr(packing, "measure_speedups", lambda linears, packed: (speedup, True))
+    ids = torch.randint(0, tiny.cfg.vocab_size, (1, 5))
+    before = tiny(ids)
+    choice = packing.pack_if_it_pays(tiny)
+    assert (choice.pack, choice.speedup, choice.cpu) == (pack, speedup, packing.cpu_model())
+    assert {type(m) for m in tiny.modules() if isinstance(m, torch.nn.Linear)} == {PackedLinear if pack else torch.nn.Linear}
+    torch.testing.assert_close(tiny(ids), before, atol=1e-4, rtol=1e-4)
+
+    def timed_again(linears, packed):
+        raise AssertionError("timed again although this CPU's verdict was cached")
+    monkeypatch.setattr(packing, "measure_speedups", timed_again)
+    again = Transformer(tiny.cfg)  # the same shapes, so the same verdict, from the cache
+    assert packing.pack_if_it_pays(again) == choice
+    assert {type(m) for m in again.modules() if isinstance(m, torch.nn.Linear)} == {PackedLinear if pack else torch.nn.Linear}
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_the_packing_timing_compares_plain_and_packed_passes(tiny):
+    """The real timing on the tiny model: a speedup per batch size, a positive number (its value is the machine's)."""
+    linears = packing._linears(tiny)
+    speedup, steady = packing.measure_speedups(linears, [PackedLinear(m) for m in linears])
+    assert set(speedup) == {"1", "32"} and all(0 < s < float("inf") for s in speedup.values())
+    assert isinstance(steady, bool)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_an_unsteady_packing_timing_is_not_remembered(tiny, monkeypatch, tmp_path):
+    """Another process was busy: the verdict serves this load, and the next load times again."""
+    monkeypatch.setenv("ENGINELIB_CACHE", str(tmp_path))
+    timings = []
+    monkeypatch.setattr(packing, "measure_speedups", lambda linears, packed: timings.append(1) or ({"1": 2.0, "32": 2.0}, False))
+    assert packing.pack_if_it_pays(tiny).pack and packing.pack_if_it_pays(Transformer(tiny.cfg)).pack
+    assert len(timings) == 2 and not (tmp_path / "packing.json").exists()
 
 
 def test_rope_scores_depend_only_on_relative_position():

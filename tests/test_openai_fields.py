@@ -351,14 +351,14 @@ def test_openai_shapes_that_were_refused_are_taken(served):
 
 
 REFUSED_FIELDS = {  # field: (path, value); each a 400 whose param and message name it
-    "prompt_logprobs": ("/completions", 1), "guided_json": ("/completions", {"type": "object"}),
+    "guided_json": ("/completions", {"type": "object"}),
     "guided_choice": ("/chat/completions", ["yes", "no"]), "use_beam_search": ("/completions", True),
     "length_penalty": ("/completions", 2.0), "truncate_prompt_tokens": ("/completions", 5),
     "modalities": ("/chat/completions", ["text", "audio"]), "audio": ("/chat/completions", {"voice": "alloy"}),
     "prediction": ("/chat/completions", {"type": "content", "content": "x"}),
     "reasoning_effort": ("/chat/completions", "low"), "top_logprobs": ("/completions", 2),
     "best_of": ("/completions", 2), "logit_bias": ("/chat/completions", {"42": 5}),
-    "response_format": ("/chat/completions", {"type": "json_object"}), "echo": ("/completions", True),
+    "response_format": ("/chat/completions", {"type": "json_object"}), "echo": ("/chat/completions", True),
     "a_field_nobody_defined": ("/completions", 1),
 }
 
@@ -419,6 +419,29 @@ def test_greedy_output_with_default_params_is_unchanged_offline(real):
     penalised = LLM.from_model(*real, num_blocks=64).generate(
         [ids], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=100.0))[0].outputs[0]
     assert penalised.token_ids != out.token_ids  # the offline LLM honours it too
+
+
+PENALISED = [dict(repetition_penalty=1.3), dict(presence_penalty=1.5, frequency_penalty=0.5),
+             dict(repetition_penalty=1.1, frequency_penalty=1.0, min_tokens=6)]
+
+
+@pytest.mark.parametrize("knobs", PENALISED)
+def test_part_one_generators_honour_the_penalties_as_the_engine_does(real, knobs):
+    """Part I's generators and the engine share apply_history: a penalised greedy request gets the same tokens
+    from generate_naive, generate_cached, generate_static (beside a plain row) and the engine; and they differ
+    from the unpenalised ones, so the penalty did something."""
+    from enginelib.baselines.generate import generate_cached, generate_naive, generate_static
+    model, tokenizer = real
+    ids, eos = tokenizer.encode(REPEATS), tokenizer.eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=10, **knobs)
+    engine = LLM.from_model(*real, num_blocks=64).generate([ids], params)[0].outputs[0].token_ids
+    assert generate_naive(model, ids, params, eos).token_ids == engine
+    assert generate_cached(model, ids, params, eos).token_ids == engine
+    other = tokenizer.encode("Red, green, blue, red, green,")
+    static = generate_static(model, [ids, other], params, eos).generations
+    assert static[0].token_ids[:len(engine)] == engine
+    plain = generate_cached(model, ids, SamplingParams(temperature=0, max_tokens=10), eos).token_ids
+    assert plain != engine
 
 
 def test_openapi_describes_the_real_bodies_errors_key_and_metrics(served):

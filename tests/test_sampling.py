@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginelib.core.request import Request
 from enginelib.model.logits_processors import apply_history
 from enginelib.model.sampling import SamplingParams, filter_logits, make_generator, sample
 
@@ -79,30 +78,30 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_best():
     assert filter_logits(probs.log(), SamplingParams(min_p=0.0)).isfinite().all()
 
 
-def seen(params: SamplingParams, prompt: list[int], output: list[int]) -> Request:
-    """A request that has read ``prompt`` and written ``output``."""
-    return Request("r", prompt, params, output_token_ids=output)
+def seen(params: SamplingParams, prompt: list[int], output: list[int]) -> tuple:
+    """The history of a request that has read ``prompt`` and written ``output``: apply_history's middle arguments."""
+    return params, prompt, output
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
     logits = torch.tensor([2.0, -1.0, 3.0, -4.0, 1.0])
-    out = apply_history(logits.clone(), seen(SamplingParams(repetition_penalty=2.0), [0, 1], [1, 3]), None)
+    out = apply_history(logits.clone(), *seen(SamplingParams(repetition_penalty=2.0), [0, 1], [1, 3]), None)
     assert out.tolist() == [1.0, -2.0, 3.0, -8.0, 1.0]  # 0, 1 in the prompt, 3 in the output; 2, 4 unseen
 
 
 def test_presence_and_frequency_penalties_count_output_tokens_only():
     logits = torch.zeros(5)
-    out = apply_history(logits.clone(), seen(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [4, 4, 4],
-                                             [1, 1, 2]), None)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_history(logits.clone(), *seen(params, [4, 4, 4], [1, 1, 2]), None)
     assert out.tolist() == [0.0, -1.0, -0.75, 0.0, 0.0]  # token 1 twice: 0.5 + 2 * 0.25; the prompt's 4: untouched
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.zeros(6)
     params = SamplingParams(min_tokens=2, stop_token_ids=[3, 99])  # 99: outside this vocabulary, skipped
-    masked = apply_history(logits.clone(), seen(params, [0], [1]), eos_token_id=5)
+    masked = apply_history(logits.clone(), *seen(params, [0], [1]), eos_token_id=5)
     assert masked.isinf().tolist() == [False, False, False, True, False, True]
-    assert apply_history(logits.clone(), seen(params, [0], [1, 2]), eos_token_id=5).isfinite().all()
+    assert apply_history(logits.clone(), *seen(params, [0], [1, 2]), eos_token_id=5).isfinite().all()
 
 
 def test_default_params_use_no_history():
@@ -111,3 +110,12 @@ def test_default_params_use_no_history():
     for knob in (dict(min_tokens=1), dict(repetition_penalty=1.1), dict(presence_penalty=0.1),
                  dict(frequency_penalty=-0.1)):
         assert SamplingParams(**knob).uses_history, knob
+
+
+def test_sample_j_of_n_is_seeded_seed_plus_j_within_64_bits():
+    """n samples are n requests seeded seed + j; the largest valid seed wraps to the smallest (schemathesis found
+    seed 2**64 - 1 with n = 2 refused: its second sample's seed did not fit)."""
+    assert [SamplingParams(seed=7, n=3).sample(j).seed for j in range(3)] == [7, 8, 9]
+    top = SamplingParams(seed=2**64 - 1, n=2)
+    assert [top.sample(j).seed for j in range(2)] == [2**64 - 1, -2**63]
+    assert top.sample(1).n == 1 and SamplingParams(n=2).sample(1).seed is None

@@ -4,11 +4,13 @@ Each case takes a stop string from the free-running greedy answer, so where it
 must cut is known in advance: completed by the very token that reaches
 ``max_tokens`` (finish_reason "stop", not "length"), inside the first token, two
 stop strings where the one earlier in the text wins whatever their order, and
-``include_stop_str_in_output``. Through ``LLM.generate`` and ``Engine.stream``
-(plain and speculative), the streamed text always equals the final text; the
+``include_stop_str_in_output``, and a stop string held back by ``min_tokens`` as EOS is. Through
+``LLM.generate`` and ``Engine.stream`` (plain and speculative), the streamed text always equals the final text; the
 server's cases are in ``tests/test_serve.py``.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -105,6 +107,26 @@ def test_include_stop_str_in_output_keeps_it(real, answer, config):
         text, reason, got_ids = run_both_ways(real, _params(N, [stop], include=True), CONFIGS[config])
         end = texts[n].index(stop) + len(stop)
         assert (text, reason, got_ids) == (texts[n][:end], "stop", ids[:n])
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_min_tokens_holds_a_stop_string_back(real, answer, config):
+    """vLLM's rule: only a token past ``min_tokens`` may complete a stop string. With min_tokens 3 the stop
+    completed by token 4 ends the text as without it; with min_tokens 4 it is passed over, and the request runs
+    on to the string's next occurrence (completed by a later token) or to max_tokens."""
+    ids, texts = answer
+    stop = ending_in_token(texts, 4)
+    first = texts[N].index(stop)
+    text, reason, got_ids = run_both_ways(real, replace(_params(N, [stop]), min_tokens=3), CONFIGS[config])
+    assert (text, reason, got_ids) == (texts[4][:first], "stop", ids[:4])
+    again = texts[N].find(stop, first + 1)
+    if again < 0:
+        want = (texts[N], "length", ids)
+    else:
+        k = next(k for k in range(5, N + 1) if len(texts[k]) >= again + len(stop))
+        want = (texts[k][:again], "stop", ids[:k])
+    assert run_both_ways(real, replace(_params(N, [stop]), min_tokens=4), CONFIGS[config]) == want
+    assert len(want[2]) > 4  # the stop string did not end it at token 4
 
 
 def test_without_a_stop_string_the_last_token_ends_by_length(real, answer):

@@ -161,13 +161,15 @@ def test_qwen2_style_qkv_bias_loads_from_safetensors(tmp_path):
     check_same_model(model, original)
 
 
-def test_packing_is_the_cpu_float32_default_and_can_be_turned_off(tmp_path, original):
+def test_packing_is_the_cpu_float32_default_where_it_pays_and_can_be_turned_off(tmp_path, original):
     write_safetensors(tmp_path / "ckpt", original)
     kinds = {pack: {type(m) for m in enginelib.load_model(tmp_path / "ckpt", device="cpu", progress=False,
                                                           pack=pack)[0].modules() if isinstance(m, torch.nn.Linear)}
              for pack in (None, False)}
     assert kinds[False] == {torch.nn.Linear}
-    assert kinds[None] == ({PackedLinear} if torch.backends.mkldnn.is_available() else {torch.nn.Linear})
+    packs = enginelib.load_model(tmp_path / "ckpt", device="cpu", progress=False)[0].packing  # this CPU's verdict
+    assert kinds[None] == ({PackedLinear} if packs and packs.pack else {torch.nn.Linear})
+    assert (packs is not None) == torch.backends.mkldnn.is_available()
     with pytest.raises(ValueError, match="float32 weights on a CPU"):
         enginelib.load_model(tmp_path / "ckpt", device="cpu", dtype=torch.bfloat16, progress=False, pack=True)
 

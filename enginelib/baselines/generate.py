@@ -5,7 +5,8 @@
 - :func:`generate_static` (chapter 4) runs a padded batch until its longest member ends.
 
 Their greedy outputs agree token for token: that is the oracle every later
-engine is checked against.
+engine is checked against. ``min_tokens`` and the penalties edit the logits through the engine's own
+:func:`~enginelib.model.logits_processors.apply_history`, so a penalised request is an oracle too.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from enginelib.baselines.kv_cache import ContiguousKVCache
 from enginelib.config import SamplingParams, finish_reason
 from enginelib.config import check_request as validate
+from enginelib.model.logits_processors import apply_history
 from enginelib.model.sampling import make_generator, sample
 from enginelib.model.transformer import Transformer
 
@@ -39,6 +41,17 @@ def check_request(model: Transformer, prompt_ids: list[int], params: SamplingPar
                          "stop on tokens: use stop_token_ids")
 
 
+def _next_tokens(logits: torch.Tensor, params: SamplingParams, gens: list[Generation],
+                 generator: torch.Generator | None, eos: int | None) -> torch.Tensor:
+    """One token per row of ``logits`` [B, V] (row i is ``gens[i]``'s), after ``min_tokens`` and the penalties
+    edit a copy of each row by its own tokens so far, as the engine's runner does."""
+    if params.uses_history:
+        logits = logits.clone()
+        for row, gen in zip(logits, gens):
+            apply_history(row, params, gen.prompt_ids, gen.token_ids, eos)
+    return sample(logits, params, generator)
+
+
 def _append(gen: Generation, token: int, start: float, params: SamplingParams, eos: int | None) -> bool:
     """Record one new token; return True when the request is finished."""
     gen.token_ids.append(token)
@@ -57,7 +70,7 @@ def generate_naive(model: Transformer, prompt_ids: list[int], params: SamplingPa
     ids = torch.tensor([prompt_ids], device=model.device)
     while True:
         logits = model(ids, last_only=True)[:, -1]
-        token = int(sample(logits, params, generator)[0])
+        token = int(_next_tokens(logits, params, [gen], generator, eos_token_id)[0])
         if _append(gen, token, start, params, eos_token_id):
             return gen
         ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
@@ -75,7 +88,7 @@ def generate_cached(model: Transformer, prompt_ids: list[int], params: SamplingP
     ids = torch.tensor([prompt_ids], device=model.device)
     while True:
         logits = model(ids, cache, last_only=True)[:, -1]
-        token = int(sample(logits, params, generator)[0])
+        token = int(_next_tokens(logits, params, [gen], generator, eos_token_id)[0])
         if _append(gen, token, start, params, eos_token_id):
             return gen
         ids = ids.new_tensor([[token]])
@@ -119,7 +132,7 @@ def generate_static(model: Transformer, prompts: list[list[int]], params: Sampli
     ids = torch.tensor([[pad_token_id] * n + p for n, p in zip(pad, prompts)], device=model.device)
     while True:
         logits = model(ids, cache, last_only=True)[:, -1]
-        tokens = sample(logits, params, generator).tolist()
+        tokens = _next_tokens(logits, params, gens, generator, eos_token_id).tolist()
         for gen, token in zip(gens, tokens):
             if gen.finish_reason is None:
                 _append(gen, token, start, params, eos_token_id)

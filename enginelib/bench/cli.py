@@ -14,15 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from enginelib.baselines.generate import generate_cached, generate_naive
 from enginelib.bench import llama_cpp as llama
+from enginelib.bench import llama_cpp_tools as tools
+from enginelib.bench.child import ChildCrashed
 from enginelib.bench.compilation import compile_effect
+from enginelib.bench.cpu import cpu_info, cpu_label
 from enginelib.bench.endpoint import ENDPOINT, run_endpoint, served_model_name
 from enginelib.bench.hf import load_hf, run_hf_static
 from enginelib.bench.memory import concurrency, kv_waste
@@ -45,6 +51,7 @@ from enginelib.speed import cpu_kernels
 from enginelib.speed.compiled import compile_unavailable
 from enginelib.speed.quant import kernel_unavailable, load_quantized, quant_info
 
+T = TypeVar("T")
 # Opt-in with --quick. "hf" is the hf_static system and transformers' single stream: loading transformers
 # takes longer than all the rest of a quick run on a 2-core CPU.
 SLOW_SECTIONS = ("hf", "serve", "spec_decode", "quant", "compile", llama.NAME)
@@ -78,6 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: $ENGINELIB_THREADS or <= 4)")
     ap.add_argument("--no-pack", action="store_true", help="keep torch's default CPU matmul (no oneDNN packing)")
+    ap.add_argument("--decode-kernel", action="store_true",
+                    help="decode steps attend in the fused kernel (C++ on a float32 CPU, Triton on a GPU)")
     ap.add_argument("--batch-size", type=int, default=8, help="B for the static systems")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="the engine's running-request limit")
     ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
@@ -103,6 +112,10 @@ def main(argv: list[str] | None = None) -> dict:
                          "in full runs) or a name from enginelib.speed.quant.KERNELS; --quick defaults to cpp (our C++ "
                          "kernels) where they build, else reference, since timing the candidates takes about "
                          "10 s per format on a 2-core CPU")
+    ap.add_argument("--llama-cpp-bin", type=Path, default=None, metavar="DIR",
+                    help="also compare with llama.cpp's own llama-bench and llama-batched-bench in DIR (build them "
+                         "with .ci/build_llama_cpp.sh), on the same GGUF and threads: single-stream and batch-32 "
+                         "decode, with their build flags; needs no llama-cpp-python")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     args = ap.parse_args(argv)
     if args.spec_k < 1:
@@ -132,15 +145,23 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("the endpoint system needs --endpoint URL (an OpenAI-compatible server's base URL)")
     if args.concurrency < 1:
         ap.error(f"--concurrency must be at least 1, got {args.concurrency}")
+    if args.llama_cpp_bin is not None:
+        if why := tools.tools_missing(args.llama_cpp_bin):
+            ap.error(f"--llama-cpp-bin: {why}")
+        try:
+            llama.gguf_path(args.model)
+        except ValueError as err:
+            ap.error(f"--llama-cpp-bin: {err}")
     served = (args.served_model or served_model_name(args.endpoint)) if args.endpoint else None
     threads = set_threads(args.threads)
     device = pick_device(args.device)
-    if args.quant_kernel is None and sections & {"spec_decode", "quant", llama.NAME}:  # quick_kernel builds C++
+    if args.quant_kernel is None and (sections & {"spec_decode", "quant", llama.NAME} or args.llama_cpp_bin):
+        # quick_kernel builds C++
         args.quant_kernel = quick_kernel(device) if args.quick else "auto"
-    config = EngineConfig(enable_prefix_caching=not args.no_prefix_caching,
+    config = EngineConfig(enable_prefix_caching=not args.no_prefix_caching, cpu_decode_kernel=args.decode_kernel,
                           scheduler=SchedulerConfig(args.max_num_seqs, 4096, not args.no_chunked_prefill))
     workloads = WORKLOADS if args.workload == "all" else tuple(args.workload.split(","))
-    server = peer = None
+    server = peer = crash = None
     if "serve" in sections:  # our server loads its model while we load ours; it idles until the serve section
         from enginelib.serve import ServerProcess
 
@@ -151,14 +172,17 @@ def main(argv: list[str] | None = None) -> dict:
         with progress("load the model" + (" (and start our server)" if server is not None else "")):
             model, tok = load_model(args.model, device=device, progress=False, pack=False if args.no_pack else None,
                                     dtype=getattr(torch, args.dtype) if args.dtype else None)
-            if llama.NAME in systems:  # the same GGUF file, the same threads
-                peer = llama.open_peer(args.model, threads, args.max_num_seqs,
-                                       [make_workload(name, tok, args.quick, args.rate) for name in workloads],
-                                       gpu=device.type == "cuda")
+            if llama.NAME in systems:  # the same GGUF file, the same threads, in a child process
+                try:
+                    peer = llama.open_peer(args.model, threads, args.max_num_seqs,
+                                           [make_workload(name, tok, args.quick, args.rate) for name in workloads],
+                                           gpu=device.type == "cuda")
+                except ChildCrashed as err:  # it died loading the file: the run goes on without it
+                    crash = err
             if server is not None:
                 server.wait_ready()  # healthy before anything is timed: its loading must not slow our measurements
-        return _measure(args, sections, systems, served, threads, device, config, model, tok, server, peer,
-                        workloads)
+        return _measure(args, sections, systems, served, threads, device, config, model, tok, server,
+                        _Peer(peer, crash), workloads)
     finally:
         if server is not None:
             server.stop()  # also when our own load failed: a half-started server is terminated
@@ -222,24 +246,25 @@ def quick_kernel(device: torch.device) -> str:
 
 def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, ...], served: str | None,
              threads: int, device: torch.device, config: EngineConfig, model: Transformer, tok: Tokenizer,
-             server: ServerProcess | None, peer: llama.LlamaCpp | None, workloads: tuple[str, ...]) -> dict:
+             server: ServerProcess | None, peer: _Peer, workloads: tuple[str, ...]) -> dict:
     """Every system on every workload, then the sections; the report as a dict (and a JSON file)."""
     with progress("warm-up" + (" (loading transformers)" if "hf_static" in systems else "")):
         hf = load_hf(device, model.dtype) if "hf_static" in systems else None
         warm = Workload("warm-up", [BenchRequest(chat_prompt(tok, "hi"), 4)])
         run_engine(model, tok, warm, config)
         run_one_at_a_time("warm-up", generate_cached, model, tok, warm)
-        if peer is not None:
-            llama.run_llama_cpp(peer, tok, warm)
+        peer.run(llama.run_llama_cpp, tok, warm)
     few = args.naive_requests or (1 if args.quick else 4)
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None  # the GPU's name, in the summary too
+    cpu = cpu_info()  # every ratio below holds for this CPU: the report names it with them
     report: dict = {"machine": {"torch": torch.__version__, "threads": threads, "device": str(device), "gpu": gpu,
+                                "cpu": cpu, "cpu_label": cpu_label(cpu),
                                 "dtype": str(model.dtype).removeprefix("torch."), "model": str(args.model),
                                 "packed_linears": any(isinstance(m, PackedLinear) for m in model.modules()),
                                 "quick": args.quick, "sections": sorted(sections),
                                 "formats": {"engine": llama.engine_format(model),
-                                            llama.NAME: llama.gguf_format(peer.path) if peer else None}},
+                                            llama.NAME: llama.gguf_format(peer.peer.path) if peer.peer else None}},
                     "workloads": {}}
     for name in workloads:
         with progress(f"workload {name} ({', '.join(systems)})"):
@@ -270,9 +295,16 @@ def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, .
             report["serve"]["note"] += "; the server packs its linears (serve has no --no-pack)"
     report["ratios"]["single_stream_vs_hf"] = report.pop("single_stream_vs_hf")
     report["ratios"] |= {"single_stream_vs_llama_cpp": None, "decode_b32_vs_llama_cpp": None}
-    if peer is not None:
+    sides = _EngineSides(args, model, tok)  # the engine's side of the llama.cpp comparisons, built once
+    if peer.alive:
         with progress(llama.NAME):
-            _llama_cpp_section(args, report, model, tok, peer, first)
+            peer.run(lambda p: _llama_cpp_section(args, report, tok, p, first, sides))
+    if peer.crash is not None:  # reported, and the rest of the run went on without it
+        report[llama.NAME] = peer.crash.summary() | {"cpu": report["machine"]["cpu_label"]}
+        report.setdefault("notes", []).append(f"{peer.crash}; the rest of the benchmark ran without it")
+    if args.llama_cpp_bin is not None:
+        with progress(f"llama.cpp's tools ({args.llama_cpp_bin})"):
+            _llama_cpp_tools_section(args, report, tok, threads, sides)
     if "spec_decode" in sections:
         with progress("spec_decode"):
             start = time.perf_counter()
@@ -307,7 +339,7 @@ def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, .
 
 
 def _run_systems(args: argparse.Namespace, systems: tuple[str, ...], served: str | None, config: EngineConfig,
-                 model: Transformer, tok: Tokenizer, hf, peer: llama.LlamaCpp | None, name: str,
+                 model: Transformer, tok: Tokenizer, hf, peer: _Peer, name: str,
                  few: int) -> dict[str, SystemResult]:
     """Every system on workload ``name``, each checked against the kv_cache oracle's tokens."""
     wl = make_workload(name, tok, args.quick, args.rate)
@@ -329,7 +361,9 @@ def _run_systems(args: argparse.Namespace, systems: tuple[str, ...], served: str
                 same = same_texts(results[system], results["engine"])
                 results[system].note += f"; {same:.0%} of texts equal the engine's"
         elif system == llama.NAME:
-            results[system] = llama.run_llama_cpp(peer, tok, wl, args.max_num_seqs)
+            if (ran := peer.run(llama.run_llama_cpp, tok, wl, args.max_num_seqs)) is None:
+                continue  # llama.cpp crashed, now or before: the report says so
+            results[system] = ran
             if "engine" in results:
                 same = llama.agreement(results["engine"], results[system])["texts_equal"]
                 results[system].note += (f"; {same:.0%} of outputs equal the engine's (llama.cpp computes in "
@@ -339,27 +373,101 @@ def _run_systems(args: argparse.Namespace, systems: tuple[str, ...], served: str
     return results
 
 
-def _llama_cpp_section(args: argparse.Namespace, report: dict, model: Transformer, tok: Tokenizer,
-                       peer: llama.LlamaCpp, first: dict[str, SystemResult]) -> None:
+class _Peer:
+    """llama.cpp (in its child process) while it lives, and how it died if it did: a crash ends its use, not the run."""
+
+    def __init__(self, peer: llama.Peer | None, crash: ChildCrashed | None = None):
+        self.peer, self.crash = peer, crash
+
+    @property
+    def alive(self) -> bool:
+        return self.peer is not None and self.crash is None
+
+    def run(self, fn: Callable[..., T], *args: object) -> T | None:
+        """``fn(peer, *args)``; None, with the crash kept for the report, when llama.cpp has died (now or before)."""
+        if not self.alive:
+            return None
+        try:
+            return fn(self.peer, *args)
+        except ChildCrashed as err:
+            self.crash = err
+            print(f"bench: {err}; the benchmark goes on without it", file=sys.stderr, flush=True)
+            return None
+
+
+class _EngineSides:
+    """The engine's side of both llama.cpp comparisons: as loaded, and at its fastest single stream and batch 32.
+
+    The fastest engines are built (and compiled) on first use and shared by
+    the in-process peer's section and the tools' section.
+    """
+
+    def __init__(self, args: argparse.Namespace, model: Transformer, tok: Tokenizer):
+        self.args, self.model, self.tok = args, model, tok
+        # on a CPU in float32, decode steps attend in our C++ kernel (keys read where they lie, no gather for SDPA)
+        self.decode_kernel = cpu_kernels.unavailable(model.device, model.dtype) is None
+        self.engine_format = llama.engine_format(model) + (", C++ decode attention" if self.decode_kernel else "")
+        self._fast: tuple[Engine, str] | None = None
+        self._fast32: tuple[Engine, str] | None = None
+
+    def engine_step(self, batch: int, new_tokens: int) -> float:
+        return decode_step_time(self.model, self.tok, batch, new_tokens, self.decode_kernel)[0]
+
+    @property
+    def fast(self) -> tuple[Engine, str]:
+        if self._fast is None:
+            self._fast = fastest_single_stream(self.model, self.tok, self.args.quant_kernel, self.args.model)
+        return self._fast
+
+    @property
+    def fast32(self) -> tuple[Engine, str]:
+        if self._fast32 is None:
+            self._fast32 = fastest_batch32(self.model, self.tok)
+        return self._fast32
+
+    def fast_step(self, batch: int, new_tokens: int) -> float:
+        return engine_decode_step_time(self.fast[0], self.tok, batch, new_tokens)[0]
+
+    def fast_b32_step(self, batch: int, new_tokens: int) -> float:
+        return engine_decode_step_time(self.fast32[0], self.tok, batch, new_tokens)[0]
+
+
+def _llama_cpp_section(args: argparse.Namespace, report: dict, tok: Tokenizer, peer: llama.Peer,
+                       first: dict[str, SystemResult], sides: _EngineSides) -> None:
     """llama.cpp against the engine at batch 1 and 32: as loaded, and each side at its fastest."""
-    # on a CPU in float32, decode steps attend in our C++ kernel (keys read where they lie, no gather for SDPA)
-    decode_kernel = cpu_kernels.unavailable(model.device, model.dtype) is None
+    section = llama.llama_cpp_effect(
+        peer, sides.model, tok, args.quick, sides.engine_step, fast_step=sides.fast_step,
+        fast_format=sides.fast[1], fast_b32_step=sides.fast_b32_step, fast_b32_format=sides.fast32[1])
+    section["engine_format"] = sides.engine_format
+    section["cpu"] = report["machine"]["cpu_label"]
+    if "engine" in first and llama.NAME in first:
+        section |= llama.agreement(first["engine"], first[llama.NAME])
+    report[llama.NAME] = section
+    report["ratios"]["single_stream_vs_llama_cpp"] = section["single_stream_ratio"]
+    report["ratios"]["decode_b32_vs_llama_cpp"] = section["decode_b32_ratio"]
+    report["ratios"]["single_stream_fastest_vs_llama_cpp"] = section["fast_single_stream_ratio"]
+    report["ratios"]["decode_b32_fastest_vs_llama_cpp"] = section["fast_decode_b32_ratio"]
 
-    def engine_step(batch: int, new_tokens: int) -> float:
-        return decode_step_time(model, tok, batch, new_tokens, decode_kernel)[0]
 
-    fast, fast_format = fastest_single_stream(model, tok, args.quant_kernel, args.model)
-    fast32, fast32_format = fastest_batch32(model, tok)
-    report[llama.NAME] = llama.llama_cpp_effect(
-        peer, model, tok, args.quick, engine_step, fast_format=fast_format,
-        fast_step=lambda batch, new_tokens: engine_decode_step_time(fast, tok, batch, new_tokens)[0],
-        fast_b32_format=fast32_format,
-        fast_b32_step=lambda batch, new_tokens: engine_decode_step_time(fast32, tok, batch, new_tokens)[0])
-    if decode_kernel:
-        report[llama.NAME]["engine_format"] += ", C++ decode attention"
-    if "engine" in first:
-        report[llama.NAME] |= llama.agreement(first["engine"], first[llama.NAME])
-    report["ratios"]["single_stream_vs_llama_cpp"] = report[llama.NAME]["single_stream_ratio"]
-    report["ratios"]["decode_b32_vs_llama_cpp"] = report[llama.NAME]["decode_b32_ratio"]
-    report["ratios"]["single_stream_fastest_vs_llama_cpp"] = report[llama.NAME]["fast_single_stream_ratio"]
-    report["ratios"]["decode_b32_fastest_vs_llama_cpp"] = report[llama.NAME]["fast_decode_b32_ratio"]
+def _llama_cpp_tools_section(args: argparse.Namespace, report: dict, tok: Tokenizer, threads: int,
+                             sides: _EngineSides) -> None:
+    """llama.cpp's own llama-bench and llama-batched-bench against the engine at batch 1 and 32, alternated;
+    a tool that crashes or prints nothing we can read is reported, and the run goes on."""
+    gguf = llama.gguf_path(args.model)
+    base = {"bin": str(args.llama_cpp_bin), "gguf": gguf.name, "cpu": report["machine"]["cpu_label"]}
+    try:
+        section = tools.tools_effect(lambda: tools.run_tools(args.llama_cpp_bin, gguf, threads, args.quick),
+                                     sides.engine_step, args.quick, fast_step=sides.fast_step,
+                                     fast_b32_step=sides.fast_b32_step)
+    except (tools.ToolFailed, subprocess.TimeoutExpired) as err:
+        report[tools.NAME] = base | {"failed": f"{type(err).__name__}: {err}"}
+        report.setdefault("notes", []).append(f"llama.cpp's tools failed ({err}); the rest of the benchmark ran")
+        print(f"bench: llama.cpp's tools failed: {err}", file=sys.stderr, flush=True)
+        return
+    report[tools.NAME] = base | section | {
+        "format": llama.gguf_format(gguf), "engine_format": sides.engine_format,
+        "fast_format": sides.fast[1], "fast_b32_format": sides.fast32[1]}
+    report["ratios"]["single_stream_vs_llama_cpp_bin"] = section["single_stream_ratio"]
+    report["ratios"]["decode_b32_vs_llama_cpp_bin"] = section["decode_b32_ratio"]
+    report["ratios"]["single_stream_fastest_vs_llama_cpp_bin"] = section["fast_single_stream_ratio"]
+    report["ratios"]["decode_b32_fastest_vs_llama_cpp_bin"] = section["fast_decode_b32_ratio"]

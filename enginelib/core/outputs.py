@@ -12,6 +12,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    rank: int | None = None  # of token_id among all tokens at its position (1: the likeliest), as vLLM reports it
 
 
 @dataclass
@@ -77,6 +78,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # with params.prompt_logprobs: one per prompt token, the first None (nothing comes before it), as vLLM's
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class StreamDelta:
     metrics: RequestMetrics | None = None
     error: str | None = None  # with finish_reason "error": what failed this request alone
     logprobs: list[TokenLogprob] | None = None  # of ``token_ids``, when the request asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # in a request's first delta, when it asked
 
 
 @dataclass
@@ -112,6 +116,7 @@ class DeltaCursor:
     hold_back: int = 0
     chars: int = 0   # characters sent so far
     tokens: int = 0  # token ids sent so far
+    started: bool = False  # a delta was made: the prompt's logprobs went with the first
 
     def delta(self, out: RequestOutput) -> StreamDelta:
         done = out.outputs[0]
@@ -119,6 +124,7 @@ class DeltaCursor:
         delta = StreamDelta(out.request_id, done.text[self.chars:ready], done.token_ids[self.tokens:],
                             out.finished, done.finish_reason, len(out.prompt_token_ids), len(done.token_ids),
                             out.metrics if out.finished else None, done.error,
-                            None if done.logprobs is None else done.logprobs[self.tokens:])
-        self.chars, self.tokens = ready, len(done.token_ids)
+                            None if done.logprobs is None else done.logprobs[self.tokens:],
+                            None if self.started else out.prompt_logprobs)
+        self.chars, self.tokens, self.started = ready, len(done.token_ids), True
         return delta

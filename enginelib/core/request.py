@@ -32,6 +32,8 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     # with params.logprobs: one per sampled token (by the runner); readers take the first len(output_token_ids)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with params.prompt_logprobs: prompt tokens 1, 2, ... as their logits are computed (token 0 has none)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -43,6 +45,12 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n:stop - n]
         return self.prompt_token_ids[start:stop] + self.output_token_ids[:max(0, stop - n)]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs that are not all computed yet: its prompt must be computed, not cached."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def num_tokens(self) -> int:

@@ -67,6 +67,7 @@ class ModelRunner:
         config = self.config.compile
         reason = compiled.compile_unavailable(self.model.device)
         if reason and config.fallback:
+            compiled.fell_back_to_eager(config, reason)  # recorded (speed.paths); raises under ENGINELIB_STRICT_PATHS=1
             warnings.warn(f"{reason}; the engine runs eagerly", RuntimeWarning, stacklevel=4)
             return None, None
         decoder = compiled.CompiledDecoder(self.model, config)  # raises ValueError with the reason if it cannot
@@ -115,15 +116,20 @@ class ModelRunner:
         whose own sampling failed, with the error: they fail alone (placeholder tokens). A failed step raises."""
         with record_function("prepare"):
             seqs = [SequenceWork(w.request.token_slice(w.start, w.start + w.num_tokens - len(w.draft_token_ids))
-                                 + w.draft_token_ids, w.start, w.request.block_table, w.samples, len(w.draft_token_ids))
+                                 + w.draft_token_ids, w.start, w.request.block_table, w.samples, len(w.draft_token_ids),
+                                 prompt_rows(w))
                     for w in plan.scheduled]
             batch = Batch.build(seqs, self.cache.block_size, self.model.device)
         with record_function("forward"):  # a step of prefill chunks only has no rows of logits
-            if self.compiled is not None and self.compiled.serves(batch):
+            if self.compiled is not None and not batch.num_prompt_rows and self.compiled.serves(batch):
                 logits = self.compiled(batch, self.cache)
             else:
                 logits = self.model(batch.token_ids, self.cache.bind(batch), positions=batch.positions,
                                     logits_indices=batch.logits_indices)
+        if batch.num_prompt_rows:  # the rows after the sampled ones: prompt logprobs (none in most steps)
+            with record_function("prompt_logprobs"):
+                logits, extra = logits[:-batch.num_prompt_rows], logits[-batch.num_prompt_rows:]
+                self._prompt_logprobs(plan.scheduled, seqs, extra)
         with record_function("sample"):
             # every row is sampled on the device (argmax, or its own generator), then one transfer: one sync a step
             tokens = logits.argmax(dim=-1)
@@ -154,7 +160,8 @@ class ModelRunner:
                     else:
                         own = logits[row:row + 1]
                         if request.params.uses_history:  # penalties, min_tokens: on a copy (logprobs stay the model's)
-                            own = apply_history(own.clone(), request, self.eos)
+                            own = apply_history(own.clone(), request.params, request.prompt_token_ids,
+                                                request.output_token_ids, self.eos)
                         tokens[row:row + 1] = sample(own, request.params, generator)
                 except Exception as error:  # noqa: BLE001 - the request fails with it, the step goes on
                     failed.append((request, error))
@@ -170,8 +177,18 @@ class ModelRunner:
             return
         index = to_device([row for _, row in wanted], logits.device)
         num_top = max(request.params.logprobs for request, _ in wanted)
-        for (request, _), (token, logprob, top) in zip(wanted, token_logprobs(logits[index], tokens[index], num_top)):
-            request.output_logprobs.append(TokenLogprob(token, logprob, top[:request.params.logprobs]))
+        for (request, _), (token, logprob, top, rank) in zip(wanted, token_logprobs(logits[index], tokens[index],
+                                                                                     num_top)):
+            request.output_logprobs.append(TokenLogprob(token, logprob, top[:request.params.logprobs], rank))
+
+    @staticmethod
+    def _prompt_logprobs(works: list[ScheduledWork], seqs: list[SequenceWork], logits: torch.Tensor) -> None:
+        """Each prompt token's logprob from the row before it (``prompt_rows``), appended to its request's."""
+        wanted = [(w.request, w.start + r + 1) for w, s in zip(works, seqs) for r in s.prompt_rows]
+        targets = to_device([request.prompt_token_ids[t] for request, t in wanted], logits.device)
+        num_top = max(request.params.prompt_logprobs for request, _ in wanted)
+        for (request, _), (token, logprob, top, rank) in zip(wanted, token_logprobs(logits, targets, num_top)):
+            request.prompt_logprobs.append(TokenLogprob(token, logprob, top[:request.params.prompt_logprobs], rank))
 
     @staticmethod
     def _run_logprobs(sampling: list[ScheduledWork], rows: list[int], logits: torch.Tensor,
@@ -187,8 +204,8 @@ class ModelRunner:
         found = iter(token_logprobs(logits[index], tokens, max(request.params.logprobs for request, *_ in wanted)))
         for request, _, run in wanted:
             for _ in run:
-                token, logprob, top = next(found)
-                request.output_logprobs.append(TokenLogprob(token, logprob, top[:request.params.logprobs]))
+                token, logprob, top, rank = next(found)
+                request.output_logprobs.append(TokenLogprob(token, logprob, top[:request.params.logprobs], rank))
 
     def _verify(self, sampling: list[ScheduledWork], tokens: torch.Tensor, rows: list[int],
                 verdicts: list[torch.Tensor], failed: list[tuple[Request, Exception]]) -> list[int | list[int]]:
@@ -212,6 +229,20 @@ class ModelRunner:
             self.spec_stats.record(len(guesses), len(run) - 1)
             out.append(run)
         return out
+
+
+def prompt_rows(work: ScheduledWork) -> tuple[int, ...]:
+    """The rows of ``work``'s tokens whose logits give prompt logprobs it still needs: the row at position p
+    scores prompt token p + 1. Empty for a request that does not ask (every step of most batches)."""
+    request = work.request
+    if not request.needs_prompt_logprobs or work.draft_token_ids:
+        return ()
+    first = len(request.prompt_logprobs) + 1  # the next prompt token owed (token 0 has no logprob)
+    if first < work.start + 1:
+        raise RuntimeError(f"request {request.request_id}: prompt tokens {first}..{work.start} were not computed "
+                           "here (a prefix-cache hit on a request wanting prompt logprobs)")
+    last = min(len(request.prompt_token_ids) - 1, work.start + work.num_tokens)
+    return tuple(range(first - 1 - work.start, last - work.start))
 
 
 def decode_attention_kernel(device: torch.device | str, dtype: torch.dtype) -> Callable[..., torch.Tensor]:

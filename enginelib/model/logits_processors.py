@@ -4,18 +4,16 @@ for a request that sets one (``SamplingParams.uses_history``), on a copy of its 
 every request's logprobs, stay the model's own. Structured output's token masks (issue 40) belong here too."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from enginelib.config import SamplingParams
 from enginelib.model.device import to_device
 
-if TYPE_CHECKING:
-    from enginelib.core.request import Request
 
-
-def apply_history(logits: torch.Tensor, request: Request, eos_token_id: int | None) -> torch.Tensor:
-    """A request's logits row [1, V] (or [V]) edited in place by its tokens so far, with vLLM's semantics:
+def apply_history(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                  eos_token_id: int | None) -> torch.Tensor:
+    """A request's logits row [1, V] (or [V]) edited in place by its tokens so far, with vLLM's semantics (the one
+    function the engine's runner and Part I's generators share, so a penalised request means the same in both):
 
     - fewer outputs than ``min_tokens``: EOS and the ``stop_token_ids`` are masked out (-inf), so it cannot stop;
     - ``repetition_penalty`` r: each token of the prompt or the output has its logit divided by r if positive and
@@ -23,12 +21,12 @@ def apply_history(logits: torch.Tensor, request: Request, eos_token_id: int | No
     - ``presence_penalty`` p and ``frequency_penalty`` f: a token the output holds c times loses ``p + f * c`` from
       its logit (the prompt does not count: OpenAI's definition).
     """
-    params, output_ids, row = request.params, request.output_token_ids, logits.view(-1)
+    row = logits.view(-1)
     if len(output_ids) < params.min_tokens:
         stops = [t for t in [eos_token_id, *params.stop_token_ids] if t is not None and 0 <= t < len(row)]
         row[to_device(stops, row.device)] = float("-inf")  # indices copied without blocking: no host sync
     if params.repetition_penalty != 1:
-        seen = to_device(sorted(set(request.prompt_token_ids) | set(output_ids)), row.device)
+        seen = to_device(sorted(set(prompt_ids) | set(output_ids)), row.device)
         values, penalty = row[seen], params.repetition_penalty
         row[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if output_ids and (params.presence_penalty or params.frequency_penalty):

@@ -15,7 +15,10 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature-scale logits [B, V] and mask (to -inf) tokens outside min-p, top-k and top-p (vLLM's order)."""
-    logits = logits.float() / params.temperature
+    # a masked token (-inf) stays masked whatever the temperature: -inf / inf (a temperature past float32's range)
+    # would be NaN, and +inf (a tiny repetition_penalty's division) is capped, so no row's softmax is NaN
+    logits = logits.float().clamp(max=torch.finfo(torch.float32).max)
+    logits = torch.where(logits.isneginf(), logits, logits / params.temperature)
     if params.min_p > 0:
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
@@ -42,14 +45,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                   num_top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
-    """Each row's token (from ``tokens`` [B]), its log-probability, and the row's ``num_top`` likeliest tokens with
-    theirs, best first, in one transfer; from the raw logits [B, V], what the model thinks (vLLM's default)."""
+                   num_top: int) -> list[tuple[int, float, list[tuple[int, float]], int]]:
+    """Each row's token (from ``tokens`` [B]), its log-probability, the row's ``num_top`` likeliest tokens with
+    theirs, best first, and the token's rank (1: the likeliest; vLLM reports it), in one transfer; from the raw
+    logits [B, V], what the model thinks (vLLM's default)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, tokens.view(-1, 1).long())
+    rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1
     top = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
     # token ids are exact in float64: one tensor, one transfer
-    host = torch.cat([tokens.view(-1, 1).double(), chosen.double(), top.values.double(), top.indices.double()],
-                     dim=1).tolist()
+    host = torch.cat([tokens.view(-1, 1).double(), chosen.double(), rank.double(), top.values.double(),
+                      top.indices.double()], dim=1).tolist()
     k = top.values.shape[1]
-    return [(int(row[0]), row[1], [(int(i), v) for v, i in zip(row[2:2 + k], row[2 + k:])]) for row in host]
+    return [(int(row[0]), row[1], [(int(i), v) for v, i in zip(row[3:3 + k], row[3 + k:])], int(row[2]))
+            for row in host]

@@ -181,6 +181,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.packing = None  # load_model's timed verdict on oneDNN packing (model.packing.PackingChoice), if it timed
 
     @property
     def device(self) -> torch.device:

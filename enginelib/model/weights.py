@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from enginelib.model.device import can_pack, default_dtype, pack_linears, pick_device
+from enginelib.model.packing import pack_if_it_pays
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import ModelConfig, Transformer
 
@@ -240,17 +241,20 @@ def load_model(model: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.
     """Load a model and its tokenizer for inference on ``device`` (CUDA if present), in ``dtype`` (default:
     :func:`device.default_dtype`: float32 unless ``$ENGINELIB_DTYPE`` says otherwise), assembled around the tensors
     on the ``meta`` device: the host holds about one copy of the weights. ``pack``: oneDNN-packed linear layers; by
-    default where that pays (float32 on a CPU)."""
+    default where a short timing says that pays on this CPU (float32 only; :mod:`enginelib.model.packing`, whose
+    verdict the model keeps as ``model.packing``)."""
     dev = pick_device(device)
     dtype = dtype or default_dtype(dev)
     cfg, weights, tokenizer = read_checkpoint(resolve(model), progress, dtype=dtype, device=dev)
     net = Transformer.from_state_dict(cfg, weights, device=dev, dtype=dtype, consume=True)
     del weights
     net = net.eval().requires_grad_(False)
-    if pack or (pack is None and can_pack(net)):
-        if not can_pack(net):
-            raise ValueError("pack=True needs float32 weights on a CPU and a torch build with oneDNN")
+    if pack and not can_pack(net):
+        raise ValueError("pack=True needs float32 weights on a CPU and a torch build with oneDNN")
+    if pack:
         pack_linears(net)
+    elif pack is None and can_pack(net):  # where it pays on this CPU: timed once, then remembered
+        net.packing = pack_if_it_pays(net)
     return net, tokenizer
 
 

@@ -44,10 +44,11 @@ from enginelib.core.outputs import StreamDelta, TokenLogprob
 from enginelib.serve.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestFailed, RequestStream,
                                           refuse_long_text)
 from enginelib.serve.guard import Guard, error_object, is_loopback
+from enginelib.serve.logprobs import chat_logprobs, joined, legacy_logprobs, vllm_prompt_logprobs
 from enginelib.serve.metrics import ServerMetrics
 from enginelib.serve.protocol import (MAX_N, ApiError, ChatBody, CompletionBody, StreamOptions, _Body, echo,
-                                      logprobs_asked, loads, max_tokens_asked, openapi_schema, param, prompts_of,
-                                      sampling_params, validate)
+                                      echoes, logprobs_asked, loads, max_tokens_asked, openapi_schema, param,
+                                      prompts_of, sampling_params, validate)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -60,9 +61,6 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt this model's
 DEFAULT_MAX_WAITING = 256
 BODY_TIMEOUT = 30.0  # seconds to receive a request's body
 DRAIN_FACTOR = 8  # a refused body up to 8x the limit is read and dropped before the 413 (see _parse)
-
-
-LOGPROB_FLOOR = -9999.0  # a logprob of -inf is not JSON: reported as this (as vLLM does)
 
 
 # --- the app -------------------------------------------------------------------------------
@@ -84,7 +82,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
         if app.openapi_schema is None:
             app.openapi_schema = openapi_schema(get_openapi(title=app.title, version=app.version,
                                                             description=app.description, routes=app.routes),
-                                                keyed=api_key is not None)
+                                                keyed=api_key is not None, vocab_size=engine.vocab_size,
+                                                model_name=model_name)
         return app.openapi_schema
     app.openapi = openapi
 
@@ -159,6 +158,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
         # the checks (in add_request, before anything is queued) refuse. One prompt at a time, in a worker thread
         # (the tokenizer lets go of the interpreter lock): a flood of long prompts takes one core at most and
         # never stalls the event loop's streams. A text far past the context is refused before any tokenizing.
+        texts = list(prompts)  # what echo repeats: the text sent, or the token ids' text
         async with tokenizing:
             for i, prompt in enumerate(prompts):
                 if isinstance(prompt, str):
@@ -174,8 +174,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
         try:  # all the choices or none: one refused closes (aborts) those already queued
             for i, prompt in enumerate(prompts):
                 for j in range(n):
-                    seed = None if params[i].seed is None else params[i].seed + j
-                    streams.append(await engine.add_request(prompt, replace(params[i], seed=seed),
+                    streams.append(await engine.add_request(prompt, params[i].sample(j),
                                                             f"{kind}-{request_id}-{i * n + j}"))
         except (ValueError, EngineOverloaded, EngineDead) as error:
             for stream in streams:
@@ -185,8 +184,13 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
                 raise ApiError(400, where + str(error), param(str(error)) or "prompt") from None
             raise ApiError(503, str(error), headers={"Retry-After": "1"} if isinstance(error, EngineOverloaded)
                            else None) from None
+        echoed = None
+        if echoes(body):
+            echoed = [(text if isinstance(text, str) else tokenizer.decode(ids), ids)
+                      for text, ids in zip(texts, prompts)]
         chunks = _Chunks(kind, model_name, request_id, tokenizer, logprobs is not None, n,
-                         sum(len(prompt) for prompt in prompts))
+                         sum(len(prompt) for prompt in prompts), echoed, max_tokens == 0,
+                         params[0].prompt_logprobs is not None)
         if body.stream:
             options = body.stream_options or StreamOptions()
             return StreamingResponse(_sse(streams, chunks, metrics, bool(options.include_usage),
@@ -237,6 +241,9 @@ class _Chunks:
     logprobs: bool = False  # the request asked for logprobs
     n: int = 1  # choices per prompt: usage counts each prompt once
     prompt_tokens: int = 0  # of every prompt, each counted once (for usage while streaming)
+    echo: list[tuple[str, list[int]]] | None = None  # completions' echo: each prompt's text and token ids
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token generated is dropped)
+    prompt_logprobs: bool = False  # the choices carry vLLM's prompt_logprobs (asked, or echo with logprobs)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _base(self, suffix: str = "") -> dict:
@@ -245,14 +252,41 @@ class _Chunks:
                 "object": ("chat.completion" if chat else "text_completion") + suffix,
                 "created": self.created, "model": self.model}
 
-    def whole(self, answers: list[tuple[str, StreamDelta, list[TokenLogprob]]]) -> dict:
-        """The whole answer: choice i is ``answers[i]`` (its text, last delta and logprobs)."""
+    def whole(self, answers: list[_Answer]) -> dict:
+        """The whole answer: choice i is ``answers[i]``; with echo, its prompt comes first (text and logprobs)."""
         choices = []
-        for index, (text, last, items) in enumerate(answers):
-            logprobs = self.logprobs_object(items)[0] if self.logprobs else None
-            said = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
-            choices.append({"index": index, **said, "logprobs": logprobs, "finish_reason": last.finish_reason})
-        return self._base() | {"choices": choices, "usage": self.usage([last for _, last, _ in answers])}
+        for index, answer in enumerate(answers):
+            text, items = ("", []) if self.echo_only else ("".join(answer.texts), answer.items)
+            if self.kind == "chat":
+                logprobs = chat_logprobs(self.tokenizer, items) if self.logprobs else None
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": answer.last.finish_reason})
+                continue
+            prefix, logprobs, offset = self.echo_part(index, answer.prompt_items)
+            if self.logprobs:
+                logprobs = joined(logprobs, legacy_logprobs(self.tokenizer, [it.token_id for it in items], items,
+                                                            offset)[0])
+            extra = ({"prompt_logprobs": vllm_prompt_logprobs(self.tokenizer, answer.prompt_items or [])}
+                     if self.prompt_logprobs else {})
+            choices.append({"index": index, "text": prefix + text, "logprobs": logprobs,
+                            "finish_reason": answer.last.finish_reason, **extra})
+        whole = self._base() | {"choices": choices, "usage": self.usage([answer.last for answer in answers])}
+        if self.kind == "chat" and self.prompt_logprobs:  # vLLM puts chat's beside the choices (one prompt)
+            whole["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, answers[0].prompt_items or [])
+        return whole
+
+    def echo_part(self, index: int, prompt_items: list[TokenLogprob | None] | None) -> tuple[str, dict | None, int]:
+        """Choice ``index``'s echoed prompt: its text, its legacy logprobs (with logprobs) and the offset after it;
+        without echo, nothing."""
+        if self.echo is None:
+            return "", None, 0
+        text, ids = self.echo[index // self.n]
+        if not self.logprobs:
+            return text, None, 0
+        if prompt_items is None or len(prompt_items) != len(ids):
+            raise ApiError(500, "the engine returned no prompt logprobs for an echo with logprobs")
+        logprobs, offset = legacy_logprobs(self.tokenizer, ids, prompt_items)
+        return text, logprobs, offset
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None, role: bool = False,
               logprobs: dict | None = None) -> dict:
@@ -280,32 +314,28 @@ class _Chunks:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def logprobs_object(self, items: list[TokenLogprob], offset: int = 0) -> tuple[dict, int]:
-        """OpenAI's ``logprobs`` of these tokens, and the text offset after them (completions count
-        ``text_offset`` from the choice's first character, across a stream's chunks).
-
-        Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``,
-        the top list being the ``top_logprobs`` most likely tokens. Completions (the legacy shape):
-        ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``, each dict the
-        ``logprobs`` most likely tokens and the sampled one (as vLLM gives them).
-        """
-        token = self.tokenizer.token
+        """OpenAI's ``logprobs`` of these tokens (chat's, or the legacy completions shape), and the text offset
+        after them (completions count ``text_offset`` from the choice's first character, across a stream)."""
         if self.kind == "chat":
-            def entry(token_id: int, logprob: float) -> dict:
-                text = token(token_id)
-                return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8"))}
-            return {"content": [entry(it.token_id, it.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in it.top]}
-                                for it in items]}, offset
-        texts, offsets, tops = [], [], []
-        for it in items:
-            text = token(it.token_id)
-            top = {token(t): max(lp, LOGPROB_FLOOR) for t, lp in it.top}
-            top.setdefault(text, max(it.logprob, LOGPROB_FLOOR))
-            texts.append(text)
-            tops.append(top)
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": texts, "token_logprobs": [max(it.logprob, LOGPROB_FLOOR) for it in items],
-                "top_logprobs": tops, "text_offset": offsets}, offset
+            return chat_logprobs(self.tokenizer, items), offset
+        return legacy_logprobs(self.tokenizer, [it.token_id for it in items], items, offset)
+
+
+@dataclass
+class _Answer:
+    """One choice as it comes in: its text, its tokens' logprobs, its prompt's (from the first delta) and its
+    last delta."""
+
+    texts: list[str] = field(default_factory=list)
+    items: list[TokenLogprob] = field(default_factory=list)
+    prompt_items: list[TokenLogprob | None] | None = None
+    last: StreamDelta | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.texts.append(delta.text)
+        self.items.extend(delta.logprobs or [])
+        if delta.prompt_logprobs is not None:
+            self.prompt_items = delta.prompt_logprobs
 
 
 def _sse_line(obj: dict | str) -> str:
@@ -367,7 +397,12 @@ async def _sse(streams: list[RequestStream], chunks: _Chunks, metrics: ServerMet
             for index in range(len(streams)):
                 yield line(chunks.chunk(index, "", role=True))
         async for index, delta in merged:
+            if seen[index] is None and chunks.echo is not None:  # the choice's first chunk repeats its prompt
+                text, logprobs, offsets[index] = chunks.echo_part(index, delta.prompt_logprobs)
+                yield line(chunks.chunk(index, text, logprobs=logprobs))
             seen[index] = delta
+            if chunks.echo_only:  # the prompt alone: the token generated to get there is not shown
+                delta = replace(delta, text="", logprobs=None)
             logprobs = None
             if chunks.logprobs and delta.logprobs:
                 logprobs, offsets[index] = chunks.logprobs_object(delta.logprobs, offsets[index])
@@ -392,16 +427,13 @@ async def _sse(streams: list[RequestStream], chunks: _Chunks, metrics: ServerMet
 async def _collect(streams: list[RequestStream], chunks: _Chunks, metrics: ServerMetrics) -> Response:
     """The whole answer, once every choice has finished; one failed choice fails the request (a 500)."""
     merged = _Merged(streams)
-    texts: list[list[str]] = [[] for _ in streams]
-    items: list[list[TokenLogprob]] = [[] for _ in streams]
-    lasts: list[StreamDelta | None] = [None] * len(streams)
+    answers = [_Answer() for _ in streams]
     try:
         async for index, delta in merged:
-            texts[index].append(delta.text)
-            items[index].extend(delta.logprobs or [])
+            answers[index].add(delta)
             if delta.finished:
                 metrics.observe(delta)
-                lasts[index] = delta
+                answers[index].last = delta
     except EngineDead as error:
         raise ApiError(503, str(error)) from None
     except RequestFailed as error:  # this request alone: the server goes on
@@ -409,9 +441,9 @@ async def _collect(streams: list[RequestStream], chunks: _Chunks, metrics: Serve
         raise ApiError(500, str(error)) from None
     finally:
         merged.close()
-    if any(last is None for last in lasts):
+    if any(answer.last is None for answer in answers):
         raise ApiError(500, "the request ended without a final output")
-    return JSONResponse(chunks.whole([("".join(t), last, i) for t, last, i in zip(texts, lasts, items)]))
+    return JSONResponse(chunks.whole(answers))
 
 
 async def _until_disconnected(request: Request, answer: Awaitable[Response]) -> Response:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from enginelib.config import MAX_LOGPROBS, SamplingParams
+from enginelib.config import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from enginelib.serve.guard import error_object
 
 MAX_N = 16        # samples per prompt at most: each is a request of its own in the batch
@@ -77,6 +77,7 @@ class _Body(BaseModel):
     ignore_eos: bool | None = None             # vLLM's
     include_stop_str_in_output: bool | None = None  # vLLM's
     skip_special_tokens: bool | None = None    # vLLM's (default true)
+    prompt_logprobs: Int | None = None         # vLLM's: each prompt token's logprob and this many top ones (0..20)
     seed: Int | None = None                    # choice j of n samples with seed + j (as vLLM)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -87,6 +88,7 @@ class _Body(BaseModel):
 class CompletionBody(_Body):
     prompt: str | list[Int] | list[str] | list[list[Int]]  # one prompt, or a list: a choice per prompt (and n)
     logprobs: Int | None = None  # the legacy API's: this many most likely tokens per position (0..20)
+    echo: bool | None = None     # the answer starts with the prompt (and its logprobs, with logprobs): lm-eval's
 
 
 class TextPart(BaseModel):
@@ -134,14 +136,14 @@ class ChatBody(_Body):
 
 # Fields of OpenAI's and vLLM's requests this server does not implement, with the values that mean "not used"
 # (null always does): any other value is refused by name, never ignored. A name in neither the bodies nor here
-# is refused as unknown. Later items of issue 40 turn some of these (prompt_logprobs, echo, guided_*) into features.
+# is refused as unknown. ``echo`` is a completions field; on chat (vLLM's "echo the last message") it is refused.
 REFUSED: dict[str, tuple] = {
     "best_of": (1,), "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False),
     "echo": (False,), "suffix": ("",), "audio": (), "modalities": (["text"],), "prediction": (),
     "reasoning_effort": (), "verbosity": (), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
     "web_search_options": (), "prompt_cache_key": (), "safety_identifier": (),
-    "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,), "prompt_logprobs": (),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
     "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],), "spaces_between_special_tokens": (True,),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "structural_tag": (), "structured_outputs": (), "logits_processors": (),
@@ -178,6 +180,9 @@ def _validation_error(error: ValidationError, prefix: str = "") -> ApiError:
 
 
 def _check_stream_options(body: _Body) -> None:
+    if body.stream and body.prompt_logprobs is not None:  # as vLLM: they would need a chunk of their own
+        raise ApiError(400, "prompt_logprobs are not available with stream: true (with echo: true, logprobs: k "
+                            "streams the prompt's logprobs in its first chunk)", "prompt_logprobs")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream: true (it shapes a stream's chunks): set stream or leave "
                             "stream_options out", "stream_options")
@@ -207,12 +212,22 @@ def loads(raw: bytes | bytearray) -> object:
 
 
 def max_tokens_asked(body: _Body) -> int | None:
-    """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``; both, disagreeing, is a 400."""
+    """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``; both, disagreeing, is a 400. 0 is
+    taken with ``echo`` only (the prompt and its logprobs back, nothing generated: lm-eval's loglikelihood)."""
     new, old = body.max_completion_tokens, body.max_tokens
     if new is not None and old is not None and new != old:
         raise ApiError(400, f"max_tokens={old} and max_completion_tokens={new} disagree: send one of them",
                        "max_completion_tokens")
-    return old if new is None else new
+    asked = old if new is None else new
+    if asked == 0 and not echoes(body):
+        raise ApiError(400, "max_tokens must be at least 1 (0 only with echo: true, which returns the prompt)",
+                       "max_tokens" if new is None else "max_completion_tokens")
+    return asked
+
+
+def echoes(body: _Body) -> bool:
+    """The answer repeats the prompt (completions' ``echo: true``)."""
+    return isinstance(body, CompletionBody) and bool(body.echo)
 
 
 def prompts_of(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
@@ -238,6 +253,13 @@ def logprobs_asked(body: _Body) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
+def prompt_logprobs_asked(body: _Body, logprobs: int | None) -> int | None:
+    """vLLM's rule: ``prompt_logprobs`` if given, else with ``echo`` the ``logprobs`` asked for (None: none)."""
+    if body.prompt_logprobs is not None:
+        return body.prompt_logprobs
+    return logprobs if echoes(body) else None
+
+
 # SamplingParams' fields a body sets by the same name (None: SamplingParams' default)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
@@ -250,16 +272,17 @@ def sampling_params(body: _Body, prompt: list[int], context: int, logprobs: int 
     if max_tokens is None:  # as vLLM does: whatever the context leaves after the prompt
         max_tokens = max(1, context - len(prompt))
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
-    try:
-        return SamplingParams(max_tokens=max_tokens, stop=[] if body.stop is None else body.stop, logprobs=logprobs,
-                              **given)
+    try:  # echo with max_tokens 0: one token is generated and dropped (as vLLM does); logprobs cover the prompt too
+        return SamplingParams(max_tokens=1 if max_tokens == 0 else max_tokens,
+                              stop=[] if body.stop is None else body.stop, logprobs=logprobs, **given,
+                              prompt_logprobs=prompt_logprobs_asked(body, logprobs))
     except ValueError as error:
         raise ApiError(400, str(error), param(str(error))) from None
 
 
 def param(message: str) -> str | None:
     """The request field an engine error names (its messages start with it), for OpenAI's ``param``."""
-    names = ("max_tokens", "stop_token_ids", "stop", "logprobs", *SAMPLING_FIELDS)
+    names = ("max_tokens", "stop_token_ids", "stop", "prompt_logprobs", "logprobs", *SAMPLING_FIELDS)
     return next((f for f in names if message.startswith(f)), None) or next((f for f in names if f"{f} (" in message),
                                                                            None)
 
@@ -280,7 +303,55 @@ ERRORS = {400: "a bad field, named in param", 401: "no valid API key (--api-key)
           503: "the engine is busy (Retry-After) or stopped"}
 
 
-def openapi_schema(base: dict, keyed: bool) -> dict:
+_K = {"minimum": 0, "maximum": MAX_LOGPROBS}
+RANGES: dict[str, dict] = {  # what SamplingParams and the routes check, said in JSON Schema (the non-null branch)
+    "temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
+    "min_p": {"minimum": 0, "maximum": 1}, "min_tokens": {"minimum": 0},
+    "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0}, "seed": {"minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1] - 1},
+    "n": {"minimum": 1, "maximum": MAX_N}, "logprobs": _K, "top_logprobs": _K, "prompt_logprobs": _K,
+    "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
+}
+
+
+def _if(field: str, kind: dict, then: dict) -> dict:
+    """JSON Schema's "when ``field`` is given as ``kind``, the body must also be ``then``"."""
+    return {"if": {"required": [field], "properties": {field: kind}}, "then": then}
+
+
+def _strict_body(schema: dict, model: type[_Body], vocab_size: int, model_name: str | None) -> None:
+    """Tighten pydantic's schema of a body to what the server checks: ranges, the one model, non-empty
+    prompts of in-vocabulary ids, stop strings' limits, text-only content parts, and the rules between fields
+    (JSON Schema's if/then). Only what depends on the prompt's tokens (its length against the context,
+    min_tokens <= max_tokens, max_tokens agreeing with max_completion_tokens) is left unsaid."""
+    props = schema["properties"]
+    for name, limits in RANGES.items():
+        for branch in props.get(name, {}).get("anyOf", []):
+            if branch.get("type") in ("integer", "number"):
+                branch.update(limits)
+    if model_name is not None:  # any other name is a 404
+        props["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+    text = {"type": "string", "minLength": 1}
+    stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
+    props["stop"]["anyOf"] = [stop, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": stop}, {"type": "null"}]
+    streaming = {"required": ["stream"], "properties": {"stream": {"const": True}}}
+    rules = [_if("stream_options", {"type": "object"}, streaming),
+             _if("prompt_logprobs", {"type": "integer"}, {"properties": {"stream": {"not": {"const": True}}}})]
+    if model is CompletionBody:
+        ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+        lists = [{"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": one} for one in (text, ids)]
+        props["prompt"] = {"title": "Prompt", "anyOf": [text, ids, *lists]}
+        for name in ("max_tokens", "max_completion_tokens"):  # 0: the prompt echoed alone
+            next(b for b in props[name]["anyOf"] if b.get("type") == "integer")["minimum"] = 0
+            rules.append(_if(name, {"const": 0}, {"required": ["echo"], "properties": {"echo": {"const": True}}}))
+    else:
+        rules.append(_if("top_logprobs", {"type": "integer"},
+                         {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}))
+    schema["allOf"] = rules
+    schema["additionalProperties"] = False  # an unknown field is a 400 (null for a REFUSED one is taken)
+
+
+def openapi_schema(base: dict, keyed: bool, vocab_size: int = 2**31, model_name: str | None = None) -> dict:
     """FastAPI's schema of the routes, with what they really take and answer: the request bodies (validated by
     hand, so FastAPI cannot see them), the error object, the bearer key on /v1 when the server has one (``keyed``:
     a schema that asks for a key the server does not check is wrong too) and /metrics as Prometheus text."""
@@ -290,8 +361,13 @@ def openapi_schema(base: dict, keyed: bool) -> dict:
         schema = model.model_json_schema(ref_template=template)
         schemas.update(schema.pop("$defs", {}))
         if model is not ErrorBody:
-            schema["additionalProperties"] = False  # an unknown field is a 400 (null for a REFUSED one is taken)
+            _strict_body(schema, model, vocab_size, model_name)
         schemas[model.__name__] = schema
+    schemas["TextPart"] = TextPart.model_json_schema()
+    message = schemas["Message"]
+    message["additionalProperties"] = False  # a message's tool calls, audio...: refused by name
+    message["properties"]["content"]["anyOf"] = [
+        {"type": "string"}, {"type": "array", "items": {"$ref": template.format(model="TextPart")}}]
     if keyed:
         base["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     error = {"content": {"application/json": {"schema": {"$ref": template.format(model="ErrorBody")}}}}

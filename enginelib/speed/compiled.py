@@ -63,7 +63,7 @@ from enginelib.core.paged_cache import (
 )
 from enginelib.model.device import unpack_linears
 from enginelib.model.transformer import Transformer, attention_mask
-from enginelib.speed import cpu_kernels
+from enginelib.speed import cpu_kernels, paths
 
 RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 TRACING_RECOMPILE_LIMIT = 1024  # graphs per code object while a bucket traces: every decoder's buckets, all engines
@@ -264,6 +264,24 @@ def onednn_linears(model: nn.Module) -> nn.Module:
     return copied
 
 
+def requested_path(config: CompileConfig) -> str:
+    """A compile config as :mod:`enginelib.speed.paths` records what was asked for: "torch.compile (mode=default)"."""
+    return f"torch.compile (mode={config.mode or 'default'})"
+
+
+def fell_back_to_eager(config: CompileConfig, why: str) -> None:
+    """Record that an engine runs eagerly although ``config`` asked for compiled decode, because of ``why`` (the
+    runner's ``CompileConfig(fallback=True)``): under ``$ENGINELIB_STRICT_PATHS=1`` this raises instead."""
+    paths.fell_back("compiled decode", requested_path(config), "eager", why)
+
+
+def _cudagraph_skips() -> int:
+    """How many graphs inductor has built without the CUDA graphs asked for, in this process (its own counter)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
 @dataclass
 class _Built:
     """One graph inductor built: its function, the tensors dynamo traced it with, what its first call returned."""
@@ -307,10 +325,12 @@ class CompiledDecoder:
     """
 
     def __init__(self, model: Transformer, config: CompileConfig | None = None, *,
-                 fused_attention: bool | None = None) -> None:
+                 fused_attention: bool | None = None, what: str = "compiled decode") -> None:
         """``fused_attention``: None, our C++ kernel wherever it runs (a CPU in float32), else the opaque
-        :func:`paged_attend`; False asks for the operator anywhere (the GPU's path, tested on a CPU)."""
+        :func:`paged_attend`; False asks for the operator anywhere (the GPU's path, tested on a CPU).
+        ``what``: the name its paths are recorded under (:mod:`enginelib.speed.paths`), e.g. "compiled draft"."""
         self.config = config = config or CompileConfig()
+        self.what = what
         reason = compile_unavailable(model.device)
         if reason:
             raise ValueError(reason)
@@ -377,17 +397,50 @@ class CompiledDecoder:
             settings.enter_context(torch._inductor.config.patch(freezing=True))
         return settings
 
+    @property
+    def requested(self) -> str:
+        """What the config asks for, as :mod:`enginelib.speed.paths` records it."""
+        return requested_path(self.config)
+
     def _run(self, size: int, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The bucket's graph on ``args``: directly once it is traced, else through dynamo (tracing it)."""
+        """The bucket's graph on ``args``: directly once it is traced, else through dynamo (tracing it).
+
+        A bucket's first call (the one that traces and builds it) records the path it took, or its failure:
+        a caller that then runs eagerly (the runner's ``fallback``, a chapter's ``except``) is seen doing so."""
         direct = self.direct.get(size)
         if direct is not None:
             return direct(args)
         built = len(self._backend.built) if self._backend else 0
-        with self._tracing(size):
-            out = self._step(*args)
+        first = self.calls[size] <= 1
+        skips = _cudagraph_skips() if first and self.cuda_graphs else 0
+        try:
+            with self._tracing(size):
+                out = self._step(*args)
+        except Exception as error:  # recorded, and raised on: the caller decides whether to run eagerly
+            if first:
+                paths.fell_back(self.what, self.requested, "not compiled (eager where the caller falls back)",
+                                f"{type(error).__name__}: {str(error).strip()[:300]}")
+            raise
+        if first:
+            self._record_paths(_cudagraph_skips() - skips if self.cuda_graphs else 0)
         if self._backend and len(self._backend.built) == built + 1:  # this call traced the bucket, in one graph
             self.direct[size] = self._direct_call(self._backend.built[-1], args, out)
         return out
+
+    def _record_paths(self, cudagraph_skips: int) -> None:
+        """Record the compiled path a bucket's first call took: its attention, and on a GPU with CUDA graphs
+        (``mode="reduce-overhead"``) whether inductor replays them or skipped them, which it only logs."""
+        attention = "our C++ decode kernel" if self.fused_attention else "the paged_attend operator"
+        paths.ran(self.what, f"{self.requested}, attention in {attention}" + (", frozen" if self.freeze else ""),
+                  requested=self.requested)
+        if not self.cuda_graphs:
+            return
+        if cudagraph_skips:
+            paths.fell_back("CUDA graphs", f"mode={self.config.mode}", "no CUDA graphs",
+                            "inductor skipped CUDA graphs for this step's graph (TORCH_LOGS=cudagraphs says why)")
+        else:
+            paths.ran("CUDA graphs", "inductor's CUDA graphs, replayed between the attention calls",
+                      requested=f"mode={self.config.mode}")
 
     @staticmethod
     def _direct_call(built: _Built, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> Callable | None:

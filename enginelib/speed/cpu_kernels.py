@@ -22,7 +22,11 @@ and multiply integers, as llama.cpp does, and take their weights *interleaved* (
 output rows in blocks of 4, each block's rows side by side group by group, so a tile reads one sequential
 stream of bytes (on a 2-core AVX2 machine the LM head's GEMV went from ~11 to ~20 GB/s).
 ``int8q8_linear`` also takes one float16 scale per group of 32 instead of one per row: GGUF's Q8_0
-block, so a file's Q8_0 tensor runs as it was stored (quant.py's ``q8_0`` format).
+block, so a file's Q8_0 tensor runs as it was stored (quant.py's ``q8_0`` format). The q8 twins have one
+path per instruction set (:data:`Q8_PATHS`; :func:`q8_paths` lists those this CPU's build has, and a call
+takes the fastest unless told): AVX2's ``maddubs`` + ``madd``; VNNI's ``vpdpbusd``, which sums four byte
+products into an int32 in one instruction (at 256 bits, the same bits as AVX2); and AVX-512 VNNI with a
+block's 4 rows in one 512-bit register, a quarter of AVX2's instructions per group of 32.
 
 Each call works on tiles of ``MR`` activation rows by ``NR`` output rows, so a
 weight loaded (and converted) once serves up to 4 rows of a decode batch, and
@@ -247,9 +251,10 @@ torch.library.define("enginelib::int8_linear", "(Tensor x, Tensor q, Tensor scal
 torch.library.define("enginelib::int4_linear",
                      "(Tensor x, Tensor codes, Tensor scale, Tensor minimum, bool simd=True) -> Tensor")
 # the q8 kernels (activations rounded to int8 too) take their weights interleaved (see interleave) and the row count
-torch.library.define("enginelib::int8q8_linear", "(Tensor x, Tensor q, Tensor scale, int rows, bool simd=True) -> Tensor")
+# and a path (-1: the fastest this build has; Q8_PATHS' index to force one)
+torch.library.define("enginelib::int8q8_linear", "(Tensor x, Tensor q, Tensor scale, int rows, int path=-1) -> Tensor")
 torch.library.define("enginelib::int4q8_linear",
-                     "(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int rows, bool simd=True) -> Tensor")
+                     "(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int rows, int path=-1) -> Tensor")
 torch.library.define("enginelib::decode_attention", "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, "
                      "Tensor block_tables, Tensor context_lens, bool simd=True) -> Tensor")
 
@@ -265,12 +270,12 @@ def _(x, codes, scale, minimum, simd=True):
 
 
 @torch.library.register_fake("enginelib::int8q8_linear")
-def _(x, q, scale, rows, simd=True):
+def _(x, q, scale, rows, path=-1):
     return x.new_empty(x.shape[0], rows)
 
 
 @torch.library.register_fake("enginelib::int4q8_linear")
-def _(x, codes, scale, minimum, rows, simd=True):
+def _(x, codes, scale, minimum, rows, path=-1):
     return x.new_empty(x.shape[0], rows)
 
 
@@ -388,25 +393,54 @@ def _interleaved_ok(w: torch.Tensor, rows: int, dtype: torch.dtype, size: int) -
             and w.shape[3] == size)
 
 
-def int8q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: int, simd: bool = True) -> torch.Tensor:
+# The q8 kernels' paths (q8.cpp's Q8Path), slowest first: the plain loop, AVX2 (maddubs + madd), the same
+# tiles with VNNI's vpdpbusd (AVX-VNNI or AVX-512 VNNI at 256 bits: the same bits as AVX2), AVX-512 VNNI
+# with a block's 4 rows in one 512-bit register. -march=native builds those this CPU has.
+Q8_PATHS = ("plain", "avx2", "avx2_vnni", "avx512_vnni")
+
+
+@functools.cache
+def q8_paths() -> tuple[str, ...]:
+    """The q8 kernels' paths this build has, slowest first: a call takes the last unless it names one."""
+    load()
+    return tuple(torch.ops.enginelib.q8_paths())
+
+
+def q8_path_number(path: str | int | None = None) -> int:
+    """The C++ path number of ``path`` (a name of :data:`Q8_PATHS`), else of ``$ENGINELIB_Q8_PATH`` (the benchmark
+    and the tests force a path for a whole model so), else -1: the fastest built. A model's layers ask once, when
+    they are prepared, and pass the number: a compiled step then reads no environment. A number passes as is."""
+    if isinstance(path, int):
+        return path
+    path = path or os.environ.get("ENGINELIB_Q8_PATH") or None
+    if path is None:
+        return -1
+    _check(path in q8_paths(), f"the q8 kernels' path {path!r} is not built on this CPU (built: "
+                               f"{', '.join(q8_paths())}; known: {', '.join(Q8_PATHS)})")
+    return Q8_PATHS.index(path)
+
+
+def int8q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: int,
+                  path: str | int | None = None) -> torch.Tensor:
     """:func:`int8_linear` with ``x`` rounded to int8 per group of 32 and integer products; ``q`` is the
     int8 weight [rows, K] interleaved (``interleave(q.reshape(rows, K // 32, 32))``), ``scale`` float32
-    [rows], or float16 [rows, K/32] interleaved (one scale per group of 32: GGUF's Q8_0)."""
+    [rows], or float16 [rows, K/32] interleaved (one scale per group of 32: GGUF's Q8_0). ``path``: one of
+    :func:`q8_paths` (default: :func:`q8_path_number`'s)."""
     per_row = scale.dtype == torch.float32 and scale.numel() == rows
     per_group = scale.dtype == torch.float16 and q.dim() == 4 and scale.shape == q.shape[:3]
     blocks = -(-rows // ROWS)
     x = _ready(x, q.shape[1] * 32 if q.dim() == 4 else -1, _interleaved_ok(q, rows, torch.int8, 32) and
                (per_row or per_group), f"int8 [{blocks}, K/32, {ROWS}, 32] (cpu_kernels.interleave) with float32 "
                f"scales [{rows}] or float16 scales [{blocks}, K/32, {ROWS}]")
-    return torch.ops.enginelib.int8q8_linear(x, q, scale, rows, simd)
+    return torch.ops.enginelib.int8q8_linear(x, q, scale, rows, q8_path_number(path))
 
 
 def int4q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, rows: int,
-                  simd: bool = True) -> torch.Tensor:
+                  path: str | int | None = None) -> torch.Tensor:
     """:func:`int4_linear` with ``x`` rounded to int8 per group of 32 and integer products; the codes, scales
-    and minimums interleaved (:func:`interleave`)."""
+    and minimums interleaved (:func:`interleave`). ``path``: one of :func:`q8_paths` (default: :func:`q8_path_number`'s)."""
     ok = (_interleaved_ok(codes, rows, torch.uint8, 16)
           and all(t.dtype == torch.float16 and t.shape == codes.shape[:3] for t in (scale, minimum)))
     x = _ready(x, codes.shape[1] * 32 if codes.dim() == 4 else -1, ok, f"uint8 codes [{-(-rows // ROWS)}, K/32, "
                f"{ROWS}, 16] with float16 scales and minimums [{-(-rows // ROWS)}, K/32, {ROWS}] (cpu_kernels.interleave)")
-    return torch.ops.enginelib.int4q8_linear(x, codes, scale, minimum, rows, simd)
+    return torch.ops.enginelib.int4q8_linear(x, codes, scale, minimum, rows, q8_path_number(path))

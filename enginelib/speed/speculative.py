@@ -104,9 +104,10 @@ class DraftModelProposer:
     deterministic proposer: its q is one-hot, which the rejection rule handles exactly.
 
     ``compile``: the guesses after the first (one token each) run through one
-    compiled graph, the engine's batch-1 decode step (:class:`CompiledDecoder`, on a
-    CPU in float32 with our C++ attention): a cache's row is seen as a pool of
-    blocks 0, 1, 2, ... (a view, nothing copied), so every cache has the same
+    compiled graph, the engine's batch-1 decode step (:class:`CompiledDecoder`: on a
+    CPU in float32 with our C++ attention, on a GPU with its opaque attention
+    operator): a cache's row is seen as a pool of blocks 0, 1, 2, ... (a view,
+    nothing copied), so every cache has the same
     size, ``COMPILED_SLOTS`` tokens (a longer sequence grows past it and runs
     eagerly). Compiled once per draft model, when the first proposer is built.
     """
@@ -217,9 +218,14 @@ def _as_pool(cache: ContiguousKVCache) -> _Pool:
 
 
 def compile_draft_unavailable(draft: Transformer) -> str | None:
-    """Why ``compile_draft`` cannot work for ``draft`` here (None: it can)."""
-    # a compiled draft's step reads the cache in our C++ attention: float32 on a CPU, with the kernels
-    return compile_unavailable(draft.device) or cpu_kernels.unavailable(draft.device, draft.dtype)
+    """Why ``compile_draft`` cannot work for ``draft`` here (None: it can).
+
+    On a CPU the compiled step reads the cache in our C++ attention (float32, with the kernels); on a GPU in the
+    engine's opaque ``paged_attend`` operator, as the engine's compiled decode does there, so a GPU compiles the
+    draft too rather than the chapter and the benchmark leaving it eager without a word."""
+    if torch.device(draft.device).type == "cpu":
+        return compile_unavailable(draft.device) or cpu_kernels.unavailable(draft.device, draft.dtype)
+    return compile_unavailable(draft.device)
 
 
 def _compiled_draft(draft: Transformer) -> CompiledDecoder:
@@ -231,8 +237,8 @@ def _compiled_draft(draft: Transformer) -> CompiledDecoder:
         reason = compile_draft_unavailable(draft)
         if reason:
             raise ValueError(f"cannot compile the draft model: {reason}; use compile_draft=False")
-        decoder = _COMPILED_DRAFTS[draft] = CompiledDecoder(draft, CompileConfig(batch_sizes=(1,), cpp_wrapper=True,
-                                                                                 freeze=True))
+        config = CompileConfig(batch_sizes=(1,), cpp_wrapper=True, freeze=True)  # the last two: a CPU's options
+        decoder = _COMPILED_DRAFTS[draft] = CompiledDecoder(draft, config, what="compiled draft")
     return decoder
 
 

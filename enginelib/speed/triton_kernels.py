@@ -43,6 +43,8 @@ from typing import Any, Callable
 
 import torch
 
+from enginelib.speed import paths
+
 try:
     import triton
     import triton.language as tl
@@ -241,6 +243,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     _check(all(t.stride(-1) == 1 for t in (k_pool, v_pool)) and k_pool.stride() == v_pool.stride(),
            "the pools must have contiguous heads and the same strides")
     _require(q.device, q.dtype)
+    paths.ran("decode attention", "triton")  # the engine's fused decode asked for: seen running (a set lookup)
     seqs, heads, dim = q.shape
     kv, block = k_pool.shape[2], k_pool.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -1,5 +1,7 @@
 """Code on screen, read by name when the cell runs: a chapter shows the kernel it times, never a pasted copy
-that drifts from it, and a renamed function fails the chapter (LookupError) instead of showing nothing."""
+that drifts from it, and a renamed function fails the chapter (LookupError) instead of showing nothing. A part of
+a long definition is named by the text of its first and last lines, never by line numbers: an edit above it moves
+the part with its code, and an edit that removes or repeats that text fails as loudly as a renamed function."""
 from __future__ import annotations
 
 import ast
@@ -15,6 +17,7 @@ import enginelib
 ROOT = Path(enginelib.__file__).resolve().parent.parent  # the repository (site-packages where pip installed it)
 LANGUAGES = {".py": "python", ".cpp": "cpp", ".cc": "cpp", ".h": "cpp", ".cu": "cpp"}
 Span = tuple[int, int]
+Part = tuple[str, "str | None"]  # (text of its first line, text of its last line or None: to the definition's end)
 _BODY = re.compile(r"\)\s*(?:const\s*)?(?:noexcept\s*)?\{")  # a parameter list's end, then a body
 _SKIP = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'', re.S)  # comments, literals
 
@@ -77,12 +80,41 @@ def _py_span(text: str, name: str) -> Span | None:
     return min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno
 
 
-def show_source(obj_or_path: object, name: str | None = None, *, lines: Span | Sequence[Span] | None = None,
+def _find_parts(body: list[str], parts: Sequence[Part], name: str) -> list[Span]:
+    """The lines (1-based, within the definition) of each part: its first line is the one line of ``body`` that
+    contains the start text; its last, the first line from there on that contains the end text (None: the last
+    line of the definition). A text that is gone, or a start text on two lines, raises: the code changed."""
+    spans: list[Span] = []
+    for part in parts:
+        if len(part) != 2 or not isinstance(part[0], str) or not (part[1] is None or isinstance(part[1], str)):
+            raise TypeError(f"show_source: lines= takes (first line's text, last line's text or None) pairs, got "
+                            f"{part!r}; line numbers are not taken, as they move silently when the file changes")
+        begin, end = part
+        hits = [i for i, line in enumerate(body, 1) if begin in line]
+        if not hits:
+            raise LookupError(f"show_source: no line of {name!r} contains {begin!r} (the code changed?)")
+        if len(hits) > 1:
+            raise ValueError(f"show_source: {len(hits)} lines of {name!r} contain {begin!r} (its lines {hits}): "
+                             "name a text that only the first line of the part has")
+        a = hits[0]
+        b = len(body) if end is None else next((i for i in range(a, len(body) + 1) if end in body[i - 1]), None)
+        if b is None:
+            raise LookupError(f"show_source: no line of {name!r} from {begin!r} on contains {end!r} "
+                              "(the code changed?)")
+        spans.append((a, b))
+    if any(b >= c for (_, b), (c, _) in zip(spans, spans[1:])):
+        raise ValueError(f"show_source: the parts of {name!r} overlap or are out of order: lines {spans}")
+    return spans
+
+
+def show_source(obj_or_path: object, name: str | None = None, *, lines: Part | Sequence[Part] | None = None,
                 language: str | None = None) -> Excerpt:
     """The source of a function, class or method (``show_source(fn)``), or of the definition ``name`` in a
     module or a file of the repository (``show_source("enginelib/speed/csrc/q8.cpp", "int4q8_tile")``).
-    ``lines=(a, b)``, or several such pairs, keeps those lines of the excerpt (1-based, counted from its own
-    first line): a long kernel shows its hot loop, and each part cut becomes one ``...`` comment line."""
+    ``lines=(first, last)``, or several such pairs, keeps parts of the excerpt: each from the one line that
+    contains the text ``first`` through the next line that contains ``last`` (``None``: through the end of the
+    definition). A long kernel shows its hot loop, each part cut becomes one ``...`` comment line, and a text that
+    is no longer there (or a first text that two lines contain) raises instead of showing other code."""
     if name is None:  # an object; a triton.jit kernel keeps its Python function as .fn
         fn = getattr(obj_or_path, "fn", obj_or_path)
         file, name = Path(inspect.getsourcefile(fn)).resolve(), fn.__qualname__
@@ -98,10 +130,12 @@ def show_source(obj_or_path: object, name: str | None = None, *, lines: Span | S
         raise LookupError(f"show_source: no definition of {name!r} in {file} (renamed or moved?)")
     first, last = span
     size = last - first + 1
-    keep = [(1, size)] if lines is None else [tuple(lines)] if isinstance(lines[0], int) else list(lines)
-    if any(not 1 <= a <= b <= size for a, b in keep) or any(b >= c for (_, b), (c, _) in zip(keep, keep[1:])):
-        raise ValueError(f"show_source: lines={lines} are not in order within the {size} lines of {name!r}")
     body = textwrap.dedent("".join(file.read_text().splitlines(keepends=True)[first - 1:last])).splitlines()
+    if lines is None:
+        keep = [(1, size)]
+    else:
+        parts = [lines] if len(lines) == 2 and not isinstance(lines[0], (tuple, list)) else list(lines)
+        keep = _find_parts(body, parts, name)
     language = language or LANGUAGES.get(file.suffix, "text")
     cut = ("#" if language == "python" else "//") + " ..."
     out: list[str] = []

@@ -72,13 +72,74 @@ void int4q8_plain(const int8_t* qx, const float* dx, const float* xsum, const ui
     }
 }
 
+// The paths a q8 call can take, fastest last; -march=native compiles those the building CPU has, and a call
+// takes the fastest one unless it names another (the tests force each): the plain loop; AVX2's
+// maddubs + madd (32 byte products, summed in pairs to int16, then to int32); the same tiles with VNNI's
+// vpdpbusd, which sums 4 byte products straight into int32 in one instruction (256-bit: AVX-VNNI, or
+// AVX-512 VNNI's VL form; the same int32, so the same bits as AVX2); and AVX-512 VNNI with a block's 4 rows
+// in one 512-bit register (4x fewer instructions a group than AVX2; the float sums run in another order,
+// so its bits differ from AVX2's by float32 rounding, but a row alone and in a batch still agree).
+enum Q8Path : int64_t { PLAIN = 0, AVX2 = 1, AVX2_VNNI = 2, AVX512_VNNI = 3 };
+
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8_VNNI256 1
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+#define Q8_VNNI256 1
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+#if defined(__AVX2__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__)
+#define Q8_VNNI512 1
+#endif
+
+// Which paths this build has, by Q8Path, and their names (cpu_kernels.q8_paths), slowest first.
+constexpr bool BUILT[] = {
+    true,
+#ifdef __AVX2__
+    true,
+#else
+    false,
+#endif
+#ifdef Q8_VNNI256
+    true,
+#else
+    false,
+#endif
+#ifdef Q8_VNNI512
+    true,
+#else
+    false,
+#endif
+};
+const char* const NAMES[] = {"plain", "avx2", "avx2_vnni", "avx512_vnni"};
+
+std::vector<std::string> q8_paths() {
+  std::vector<std::string> names;
+  for (int64_t p = PLAIN; p <= AVX512_VNNI; ++p)
+    if (BUILT[p]) names.emplace_back(NAMES[p]);
+  return names;
+}
+
+int64_t q8_path(int64_t asked) {  // -1: the fastest built
+  if (asked < 0)
+    for (int64_t p = AVX512_VNNI; p >= PLAIN; --p)
+      if (BUILT[p]) return p;
+  TORCH_CHECK(asked <= AVX512_VNNI && BUILT[asked], "the q8 kernels' path ", asked, " is not built on this CPU");
+  return asked;
+}
+
 #ifdef __AVX2__
 // The q8 tiles: integer products of 32 codes with 32 rounded activations per instruction pair
 // (maddubs: unsigned x signed bytes -> pairs summed to int16; madd with ones -> 8 int32), one float
 // multiply-add per group with the two scales, as llama.cpp's Q4_1 x Q8_1 dot product. A tile is MR
 // activation rows by one block of ROWS output rows, in the layout above; each output adds its terms in
 // the same order whatever MR is, so a row gives the same bits alone or in a batch.
+template <bool VNNI>
 inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+#ifdef Q8_VNNI256
+  if constexpr (VNNI) return dpbusd256(_mm256_setzero_si256(), u, s);
+#endif
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
@@ -99,7 +160,7 @@ inline __m128 halves4(const uint16_t* p) {  // a block's 4 float16 (one group of
 }
 
 // GROUPED (q8_0): per group, the block's 4 float16 scales times the activation's, as llama.cpp's Q8_0 x Q8_0
-template <int MR, bool GROUPED>
+template <int MR, bool GROUPED, bool VNNI>
 void int8q8_tile(const int8_t* qx, const float* dx, const int8_t* q, const float* scale, const uint16_t* group_scale,
                  float* y, int64_t N, int64_t K, int64_t m0, int64_t b) {
   const int64_t G = K / GROUP;
@@ -122,7 +183,7 @@ void int8q8_tile(const int8_t* qx, const float* dx, const int8_t* q, const float
       const __m256i w = load32(wb + (g * ROWS + j) * GROUP);
       const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned; its sign moves onto x
       for (int i = 0; i < MR; ++i)
-        acc[i][j] = fmadd(_mm256_cvtepi32_ps(dot_u8_s8(aw, _mm256_sign_epi8(x[i], w))),
+        acc[i][j] = fmadd(_mm256_cvtepi32_ps(dot_u8_s8<VNNI>(aw, _mm256_sign_epi8(x[i], w))),
                                     GROUPED ? _mm256_broadcast_ss(&d[i][j]) : dxi[i], acc[i][j]);
     }
   }
@@ -133,7 +194,7 @@ void int8q8_tile(const int8_t* qx, const float* dx, const int8_t* q, const float
 
 // int4: per group, the block's 4 scales and 4 minimums in one float16 conversion each; the minimums' share
 // (minimum x sum of x) of all 4 outputs in one multiply-add, kept apart from the codes' sums until the end
-template <int MR>
+template <int MR, bool VNNI>
 void int4q8_tile(const int8_t* qx, const float* dx, const float* xsum, const uint8_t* codes, const uint16_t* scale,
                  const uint16_t* minimum, float* y, int64_t N, int64_t K, int64_t m0, int64_t b) {
   const int64_t G = K / GROUP;
@@ -158,7 +219,7 @@ void int4q8_tile(const int8_t* qx, const float* dx, const float* xsum, const uin
     for (int j = 0; j < ROWS; ++j) {
       const __m256i c = nibbles(cb + (g * ROWS + j) * 16);
       for (int i = 0; i < MR; ++i)
-        acc[i][j] = fmadd(_mm256_cvtepi32_ps(dot_u8_s8(c, x[i])), _mm256_broadcast_ss(&d[i][j]), acc[i][j]);
+        acc[i][j] = fmadd(_mm256_cvtepi32_ps(dot_u8_s8<VNNI>(c, x[i])), _mm256_broadcast_ss(&d[i][j]), acc[i][j]);
     }
   }
   alignas(16) float mo[MR][ROWS];
@@ -167,19 +228,134 @@ void int4q8_tile(const int8_t* qx, const float* dx, const float* xsum, const uin
     for (int i = 0; i < MR; ++i) y[(m0 + i) * N + b * ROWS + j] = hsum(acc[i][j]) + mo[i][j];
 }
 
-template <bool GROUPED> struct Int8Q8Tile {
+template <bool GROUPED, bool VNNI> struct Int8Q8Tile {
   template <int MR> static void run(const int8_t* qx, const float* dx, const int8_t* q, const float* s,
                                     const uint16_t* gs, float* y, int64_t N, int64_t K, int64_t m, int64_t b) {
-    int8q8_tile<MR, GROUPED>(qx, dx, q, s, gs, y, N, K, m, b);
+    int8q8_tile<MR, GROUPED, VNNI>(qx, dx, q, s, gs, y, N, K, m, b);
   }
 };
-struct Int4Q8Tile {
+template <bool VNNI> struct Int4Q8Tile {
   template <int MR> static void run(const int8_t* qx, const float* dx, const float* xs, const uint8_t* c,
                                     const uint16_t* s, const uint16_t* mn, float* y, int64_t N, int64_t K,
                                     int64_t m, int64_t b) {
-    int4q8_tile<MR>(qx, dx, xs, c, s, mn, y, N, K, m, b);
+    int4q8_tile<MR, VNNI>(qx, dx, xs, c, s, mn, y, N, K, m, b);
   }
 };
+
+#ifdef Q8_VNNI512
+// AVX-512 VNNI: one register holds a group of the block's 4 rows (int4: 4 x 16 bytes; int8: 2 x 32 bytes, so
+// two registers), its activations broadcast to each row's lane; vpdpbusd sums 4 byte products into each int32,
+// and each row's scale is spread over its lanes (spread). Each output's lanes are summed once, at the end.
+inline __m512 spread(__m128 d4, int per_row) {  // [d0 d1 d2 d3] -> each repeated over its row's lanes
+  const __m512i by4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i by8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(per_row == 4 ? by4 : by8, _mm512_castps128_ps512(d4));
+}
+
+inline float lanes_sum(const float* v, int n) {  // one output's lanes, in a fixed order
+  float t = 0.f;
+  for (int k = 0; k < n; ++k) t += v[k];
+  return t;
+}
+
+template <int MR, bool GROUPED>
+void int8q8_tile512(const int8_t* qx, const float* dx, const int8_t* q, const float* scale,
+                    const uint16_t* group_scale, float* y, int64_t N, int64_t K, int64_t m0, int64_t b) {
+  const int64_t G = K / GROUP;
+  const int8_t* wb = q + b * G * ROWS * GROUP;
+  __m512 acc[MR][2];  // rows 0-1 and rows 2-3, 8 lanes a row
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i w[2], aw[2];
+    __mmask64 neg[2];
+    for (int h = 0; h < 2; ++h) {  // |w| as unsigned; its sign moves onto x (AVX-512 has no sign_epi8)
+      w[h] = _mm512_loadu_si512(wb + (g * ROWS + 2 * h) * GROUP);
+      neg[h] = _mm512_movepi8_mask(w[h]);
+      aw[h] = _mm512_abs_epi8(w[h]);
+    }
+    __m512 d[2];
+    const __m128 s4 = GROUPED ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                                    group_scale + (b * G + g) * ROWS))) : _mm_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(qx + (m0 + i) * K + g * GROUP)));
+      if (GROUPED) {
+        const __m128 d4 = _mm_mul_ps(s4, _mm_set1_ps(dx[(m0 + i) * G + g]));
+        d[0] = spread(d4, 8);
+        d[1] = spread(_mm_movehl_ps(d4, d4), 8);
+      } else {
+        d[0] = d[1] = _mm512_set1_ps(dx[(m0 + i) * G + g]);
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m512i sx = _mm512_mask_sub_epi8(x, neg[h], _mm512_setzero_si512(), x);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw[h], sx);
+        acc[i][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d[h], acc[i][h]);
+      }
+    }
+  }
+  alignas(64) float v[2][16];
+  for (int i = 0; i < MR; ++i) {
+    _mm512_store_ps(v[0], acc[i][0]);
+    _mm512_store_ps(v[1], acc[i][1]);
+    for (int j = 0; j < ROWS && b * ROWS + j < N; ++j) {
+      const float t = lanes_sum(v[j / 2] + 8 * (j % 2), 8);
+      y[(m0 + i) * N + b * ROWS + j] = GROUPED ? t : t * scale[b * ROWS + j];
+    }
+  }
+}
+
+template <int MR>
+void int4q8_tile512(const int8_t* qx, const float* dx, const float* xsum, const uint8_t* codes, const uint16_t* scale,
+                    const uint16_t* minimum, float* y, int64_t N, int64_t K, int64_t m0, int64_t b) {
+  const int64_t G = K / GROUP;
+  const uint8_t* cb = codes + b * G * ROWS * 16;
+  const uint16_t* sb = scale + b * G * ROWS;
+  const uint16_t* mb = minimum + b * G * ROWS;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[MR];
+  __m128 mins[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    mins[i] = _mm_setzero_ps();
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512i c = _mm512_loadu_si512(cb + g * ROWS * 16);  // 4 rows x 16 bytes: codes 0-15 low, 16-31 high
+    const __m512i lo = _mm512_and_si512(c, low), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+    const __m512 s = spread(halves4(sb + g * ROWS), 4);
+    const __m128 mn = halves4(mb + g * ROWS);
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* xg = qx + (m0 + i) * K + g * GROUP;
+      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xg)));
+      const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xg + 16)));
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(dx[(m0 + i) * G + g])),
+                               acc[i]);
+      mins[i] = fmadd(mn, _mm_set1_ps(xsum[(m0 + i) * G + g]), mins[i]);
+    }
+  }
+  alignas(64) float v[16];
+  alignas(16) float mo[ROWS];
+  for (int i = 0; i < MR; ++i) {
+    _mm512_store_ps(v, acc[i]);
+    _mm_store_ps(mo, mins[i]);
+    for (int j = 0; j < ROWS && b * ROWS + j < N; ++j) y[(m0 + i) * N + b * ROWS + j] = lanes_sum(v + 4 * j, 4) + mo[j];
+  }
+}
+
+template <bool GROUPED> struct Int8Q8Tile512 {
+  template <int MR> static void run(const int8_t* qx, const float* dx, const int8_t* q, const float* s,
+                                    const uint16_t* gs, float* y, int64_t N, int64_t K, int64_t m, int64_t b) {
+    int8q8_tile512<MR, GROUPED>(qx, dx, q, s, gs, y, N, K, m, b);
+  }
+};
+struct Int4Q8Tile512 {
+  template <int MR> static void run(const int8_t* qx, const float* dx, const float* xs, const uint8_t* c,
+                                    const uint16_t* s, const uint16_t* mn, float* y, int64_t N, int64_t K,
+                                    int64_t m, int64_t b) {
+    int4q8_tile512<MR>(qx, dx, xs, c, s, mn, y, N, K, m, b);
+  }
+};
+#endif  // Q8_VNNI512
 
 // Blocks b0:b1, L1_BLOCKS at a time (their weights are read from memory once, then from L1 for each tile of
 // activation rows), two activation rows a tile (the last row of an odd batch alone).
@@ -221,7 +397,7 @@ void check_rows(const at::Tensor& w, int64_t rows, int64_t bytes) {
 int64_t block_grain(int64_t K) { return std::max<int64_t>(1, grain(K) / ROWS); }
 
 // scale: float32 [N] (one per row), or float16 [N/4, K/32, 4] (one per group of 32, interleaved: q8_0)
-at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t N, bool simd) {
+at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t N, int64_t asked) {
   TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
   check_rows(q, N, GROUP);
   const bool per_group = scale.scalar_type() == at::kHalf;
@@ -238,18 +414,36 @@ at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
   float* yp = y.data_ptr<float>();
   const float* sp = per_group ? nullptr : scale.data_ptr<float>();
   const uint16_t* gp = per_group ? reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()) : nullptr;
+  const int64_t path = q8_path(asked);
   at::parallel_for(0, q.size(0), block_grain(K), [&](int64_t b0, int64_t b1) {
-#ifdef __AVX2__
-    if (simd && per_group) { q8_tiles<Int8Q8Tile<true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K); return; }
-    if (simd) { q8_tiles<Int8Q8Tile<false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K); return; }
+    switch (path) {
+#ifdef Q8_VNNI512
+      case AVX512_VNNI:
+        if (per_group) q8_tiles<Int8Q8Tile512<true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+        else q8_tiles<Int8Q8Tile512<false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+        return;
 #endif
-    int8q8_plain(qx, dx, qp, sp, gp, yp, M, N, K, b0, b1);
+#ifdef Q8_VNNI256
+      case AVX2_VNNI:
+        if (per_group) q8_tiles<Int8Q8Tile<true, true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+        else q8_tiles<Int8Q8Tile<false, true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+        return;
+#endif
+#ifdef __AVX2__
+      case AVX2:
+        if (per_group) q8_tiles<Int8Q8Tile<true, false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+        else q8_tiles<Int8Q8Tile<false, false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+        return;
+#endif
+      default:
+        int8q8_plain(qx, dx, qp, sp, gp, yp, M, N, K, b0, b1);
+    }
   });
   return y;
 }
 
 at::Tensor int4q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                         const at::Tensor& minimum, int64_t N, bool simd) {
+                         const at::Tensor& minimum, int64_t N, int64_t asked) {
   TORCH_CHECK(codes.scalar_type() == at::kByte, "codes must be uint8");
   check_rows(codes, N, 16);
   for (const at::Tensor* t : {&scale, &minimum})
@@ -266,16 +460,28 @@ at::Tensor int4q8_linear(const at::Tensor& x, const at::Tensor& codes, const at:
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
+  const int64_t path = q8_path(asked);
   at::parallel_for(0, codes.size(0), block_grain(K), [&](int64_t b0, int64_t b1) {
-#ifdef __AVX2__
-    if (simd) { q8_tiles<Int4Q8Tile>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return; }
+    switch (path) {
+#ifdef Q8_VNNI512
+      case AVX512_VNNI: q8_tiles<Int4Q8Tile512>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return;
 #endif
-    int4q8_plain(qx, dx, xs, cp, sp, mp, yp, M, N, K, b0, b1);
+#ifdef Q8_VNNI256
+      case AVX2_VNNI: q8_tiles<Int4Q8Tile<true>>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return;
+#endif
+#ifdef __AVX2__
+      case AVX2: q8_tiles<Int4Q8Tile<false>>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return;
+#endif
+      default: int4q8_plain(qx, dx, xs, cp, sp, mp, yp, M, N, K, b0, b1);
+    }
   });
   return y;
 }
 
 }  // namespace
+
+// q8_paths has no tensor to dispatch on: declared here, with its one implementation (as has_simd)
+TORCH_LIBRARY_FRAGMENT(enginelib, m) { m.def("q8_paths() -> str[]", &q8_paths); }
 
 TORCH_LIBRARY_IMPL(enginelib, CPU, m) {
   m.impl("int8q8_linear", &int8q8_linear);

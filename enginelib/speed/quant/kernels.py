@@ -9,14 +9,14 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginelib.speed import cpu_kernels
+from enginelib.speed import cpu_kernels, paths
 from enginelib.speed.quant.formats import FORMATS, GROUP_SIZE, QuantizedWeight, pack_int4, unpack_int4
 
 WeightKey = tuple[str, tuple[int, int]]  # (format, [N, K] shape): kernels are chosen per key
@@ -179,6 +179,7 @@ class _Interleaved:
     data: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor | None
+    path: int = -1  # the C++ path (cpu_kernels.q8_path_number), fixed when the layer is prepared
 
 
 def _interleave(qw: QuantizedWeight) -> _Interleaved:
@@ -200,7 +201,7 @@ def _deinterleave(w: _Interleaved) -> QuantizedWeight:
 
 def _cpp_q8_prepare(qw: QuantizedWeight) -> _Interleaved:
     cpu_kernels.load()
-    return _interleave(qw)
+    return replace(_interleave(qw), path=cpu_kernels.q8_path_number())
 
 
 def _triton_prepare(qw: QuantizedWeight) -> QuantizedWeight:
@@ -219,8 +220,8 @@ def _triton_run(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
 def _cpp_q8_run(x: torch.Tensor, w: _Interleaved) -> torch.Tensor:
     x32 = x.float().contiguous()
     if w.fmt in ("int8", "q8_0"):
-        return cpu_kernels.int8q8_linear(x32, w.data, w.scale, w.rows).to(x.dtype)
-    return cpu_kernels.int4q8_linear(x32, w.data, w.scale, w.minimum, w.rows).to(x.dtype)
+        return cpu_kernels.int8q8_linear(x32, w.data, w.scale, w.rows, w.path).to(x.dtype)
+    return cpu_kernels.int4q8_linear(x32, w.data, w.scale, w.minimum, w.rows, w.path).to(x.dtype)
 
 
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
@@ -392,6 +393,7 @@ def measure_kernels(qw: QuantizedWeight, x: torch.Tensor, failed: dict[str, str]
             if name == "reference":
                 raise
             why = f"it failed on {qw.fmt} {list(qw.shape)}: {type(exc).__name__}: {str(exc).strip()[:300]}"
+            _left_out(weight_key(qw), name, why)
             warnings.warn(f"kernel {name!r} left out: {why}", RuntimeWarning, stacklevel=2)
             if failed is not None:
                 failed[name] = why
@@ -412,6 +414,17 @@ def choose(rows: list[KernelTiming], tolerance: float) -> KernelTiming:
 def weight_key(qw: QuantizedWeight) -> WeightKey:
     """What a kernel is chosen for: the format and the [N, K] shape."""
     return qw.fmt, qw.shape
+
+
+def _path_name(key: WeightKey) -> str:
+    """What :mod:`enginelib.speed.paths` calls the choice for ``key``: "quant kernel int4 576x1536"."""
+    return f"quant kernel {key[0]} {key[1][0]}x{key[1][1]}"
+
+
+def _left_out(key: WeightKey, name: str, why: str) -> None:
+    """Record that ``auto`` chose for ``key`` without candidate ``name`` (it could not run, or failed): on a GPU,
+    a Triton kernel missing from the race is the slow path taken silently."""
+    paths.fell_back(_path_name(key), f"auto (with {name})", "auto without it", why, explicit=False)
 
 
 def check_kernel(kernel: str) -> None:
@@ -436,6 +449,7 @@ def choose_kernels(kernel: str, weights: dict[str, QuantizedWeight], inputs: dic
             reason = kernel_unavailable(kernel, qw.fmt, qw.shape, device, dtype)
             if reason:
                 raise ValueError(f"{reason}: use kernel='auto' or 'reference'")
+            paths.ran(_path_name(weight_key(qw)), kernel)
         return {weight_key(qw): KernelChoice(kernel, kernel) for qw in weights.values()}
     rows: dict[WeightKey, list[KernelTiming]] = {}
     failed: dict[WeightKey, dict[str, str]] = {}
@@ -455,4 +469,7 @@ def choose_kernels(kernel: str, weights: dict[str, QuantizedWeight], inputs: dic
         skipped = {name: reason for name, k in KERNELS.items() if key[0] in k.formats and device.type in k.devices
                    and (reason := _cannot_run(name, *key, device, dtype))} | failed[key]
         choices[key] = KernelChoice(choose(candidates, tolerance).kernel, "auto", tuple(candidates), skipped)
+        for name, why in skipped.items():
+            _left_out(key, name, why)
+        paths.ran(_path_name(key), choices[key].kernel, requested="auto")
     return choices
