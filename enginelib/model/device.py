@@ -68,7 +68,8 @@ class PackedLinear(nn.Linear):
     """A Linear whose weight is also kept pre-arranged ("packed") for oneDNN's CPU matmul.
 
     Decode multiplies a few rows by big weight matrices; oneDNN's kernels on a
-    packed copy run these shapes up to 2x faster than the default BLAS call.
+    packed copy ran these shapes up to 2x faster than the default BLAS call on one CPU and slower on
+    another, so load_model packs only where a timing says it pays (:mod:`enginelib.model.packing`).
     The original ``weight`` stays (for inspection, and for any input the packed
     copy does not serve: another device or dtype). Pack after the weights are final.
     """
@@ -86,7 +87,7 @@ class PackedLinear(nn.Linear):
 
 
 def can_pack(model: nn.Module) -> bool:
-    """Packing pays for float32 weights on a CPU whose torch build has oneDNN."""
+    """Packing is possible for float32 weights on a CPU whose torch build has oneDNN (whether it pays: packing.py)."""
     weight = next(model.parameters())
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))

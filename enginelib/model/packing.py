@@ -1,7 +1,7 @@
 """Whether oneDNN's packed weights pay on this CPU: measured once per CPU model, not assumed.
 
-Packing (:class:`device.PackedLinear`) made a decode step 1.48x faster at batch 1 on one machine and 0.79x
-on another (chapter 8's table, an AMD EPYC and an Intel Xeon): the winner depends on the CPU. So
+Packing (:class:`device.PackedLinear`) made a decode step faster at batch 1 on an AMD EPYC (1.48x, later 1.52x)
+and slower on an Intel Xeon (0.79x), both with 2 threads: the winner depends on the CPU. So
 ``load_model`` times every linear layer of the model, plain and packed, at batch 1 and 32, and packs only
 where the packed pass is not slower at either; a steady verdict is kept in ``$ENGINELIB_CACHE/packing.json``
 under the CPU's model name, torch's version, the thread count and the model's shapes, so a machine pays
@@ -33,7 +33,7 @@ class PackingChoice:
     pack: bool
     speedup: dict[str, float]  # batch -> plain pass time / packed pass time (above 1: packing is faster)
     cpu: str
-    measured: str  # when: the date, or "forced" when the caller chose
+    measured: str  # when: the date, or "forced" when the caller chose (load_model(pack=...): nothing timed)
 
 
 def cpu_model() -> str:

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from enginelib.model.device import can_pack, default_dtype, pack_linears, pick_device
-from enginelib.model.packing import pack_if_it_pays
+from enginelib.model.packing import PackingChoice, cpu_model, pack_if_it_pays
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import ModelConfig, Transformer
 
@@ -253,8 +253,10 @@ def load_model(model: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.
         raise ValueError("pack=True needs float32 weights on a CPU and a torch build with oneDNN")
     if pack:
         pack_linears(net)
-    elif pack is None and can_pack(net):  # where it pays on this CPU: timed once, then remembered
+    if pack is None and can_pack(net):  # where it pays on this CPU: timed once, then remembered
         net.packing = pack_if_it_pays(net)
+    elif pack is not None:
+        net.packing = PackingChoice(pack, {}, cpu_model(), "forced")
     return net, tokenizer
 
 
