@@ -41,18 +41,23 @@ def _short(prompt: object) -> object:
     return prompt[:MAX_PROMPT] if isinstance(prompt, list) else prompt
 
 
+def _number(value: object) -> bool:
+    """An integer field's value as the schema allows it: an int or a whole-number float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def bounded(context, case):  # noqa: ARG001 - schemathesis' hook signature
     """map_case: a positive body kept inside the rules between fields JSON Schema cannot state, and short."""
     body = case.body
     if case.meta is None or not case.meta.generation.mode.is_positive or not isinstance(body, dict):
         return case
-    asked = [body[k] for k in ("max_tokens", "max_completion_tokens") if isinstance(body.get(k), int)]
+    asked = [body[k] for k in ("max_tokens", "max_completion_tokens") if _number(body.get(k))]
     limit = min(asked + [MAX_TOKENS])  # 0 stays 0 (an echo)
     body["max_tokens"] = limit
     body.pop("max_completion_tokens", None)
-    if isinstance(body.get("min_tokens"), int):
+    if _number(body.get("min_tokens")):  # 5.0 is the integer 5 to the schema and the server: clamp it too
         body["min_tokens"] = min(body["min_tokens"], limit)
-    if isinstance(body.get("n"), (int, float)):
+    if _number(body.get("n")):
         body["n"] = min(body["n"], 2)
     if "prompt" in body:
         body["prompt"] = _short(body["prompt"])
