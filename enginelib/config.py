@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from enginelib.structured_output import StructuredOutput
+
 # Below this a temperature is greedy; below MIN_TEMPERATURE it is raised to it: dividing logits by, say, 1e-38
 # overflows to inf and the probabilities become NaN (vLLM's _SAMPLING_EPS and _MAX_TEMP).
 GREEDY_TEMPERATURE = 1e-5
@@ -38,7 +40,9 @@ class SamplingParams:
     the raw logits. ``prompt_logprobs`` (0..20, None: off, vLLM's): each prompt token's log-probability given the
     tokens before it and the likeliest tokens' there (the first token has none); such a request computes its whole
     prompt, taking no prefix-cache hits for it. ``n`` samples per prompt: ``LLM.generate`` runs ``n`` requests
-    (seeded ``seed + j``) sharing the prompt's blocks; an ``Engine`` request is one sample. ``min_p``, ``min_tokens`` and the penalties are vLLM's."""
+    (seeded ``seed + j``) sharing the prompt's blocks; an ``Engine`` request is one sample. ``min_p``, ``min_tokens`` and the penalties are vLLM's.
+    ``structured_output``: the output must match a JSON Schema, a regex, a choice or a grammar (chapter 12); a request
+    whose grammar is complete stops ("stop"), and EOS is allowed only where the grammar may end."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -57,6 +61,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,6 +114,9 @@ class SamplingParams:
                                  f"report per position), or None for none; got {value!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n (samples per prompt) must be a positive integer, got {self.n!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput or None, got {self.structured_output!r}:"
+                             " pass e.g. structured_output=StructuredOutput(json={'type': 'object'})")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -262,8 +270,12 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # guess tokens and verify them in one step (chapter 14); off: None
     compile: CompileConfig | None = None  # decode and verify steps through torch.compile, per bucket; off: None (eager)
     # eager decode steps attend with a fused kernel reading K/V where they lie, not gathered for SDPA: C++ on a float32
-    # CPU, Triton on a CUDA GPU (the name is older); runner.decode_attention_kernel picks it or raises a ValueError
+    # CPU, Triton on a CUDA GPU (the name is older); enginelib.speed.factory.decode_attention_kernel picks it or
+    # raises a ValueError
     cpu_decode_kernel: bool = False
+    # tokens a request's grammar forces (a schema's next key) appended unsampled, computed with the next step's tokens
+    # (SGLang's jump-forward decoding, chapter 12); off: each sampled under the mask, as the model itself picks them
+    jump_forward: bool = False
 
     @classmethod
     def from_args(cls, **args: Any) -> EngineConfig:

@@ -32,6 +32,8 @@ SCHEMA = [  # the core: every run has these
     "ratios.decode_b32_vs_llama_cpp",
     "prefix_cache.ttft_ratio", "prefix_cache.hit_rate", "chunked_prefill.itl_p99_ratio",
     "chunked_prefill.long_prompt_tokens", "machine.gpu",
+    "structured.mask_ms", "structured.mask_ms_per_step", "structured.step_ms", "structured.step_ms_plain",
+    "structured.mask_fraction", "structured.valid", "structured.compile_ms", "structured.jump_forward.steps",
 ]
 SECTION_SCHEMA = {  # the slow sections (--sections): checked where the run has them
     "serve": ["serve.throughput_ratio", "serve.server_tok_per_s", "serve.offline_tok_per_s", "serve.concurrency",
@@ -80,6 +82,7 @@ def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
     assert 0 < report["prefix_cache"]["ttft_ratio"] and 0 < report["chunked_prefill"]["itl_p99_ratio"]
     for section in ("prefix_cache", "chunked_prefill"):  # on and off must give the same tokens
         assert "differs" not in report[section]["note"], report[section]["note"]
+    check_structured(report["structured"])
     if "serve" in ran:
         check_serve(report["serve"])
     if "spec_decode" in ran:
@@ -99,6 +102,16 @@ def test_quick_bench_writes_every_figure_of_the_schema(tmp_path, real):
     assert report["ratios"]["single_stream_vs_llama_cpp"] == pytest.approx(
         section["engine_single_stream_tok_per_s"] / section["single_stream_tok_per_s"])
     assert report["ratios"]["decode_b32_vs_llama_cpp"] > 0 and 0 <= section["texts_equal"] <= 1
+
+
+def check_structured(structured: dict) -> None:
+    """The grammar's mask against the decode step: every constrained output valid, with and without jump-forward."""
+    assert structured["valid"] == 1 and structured["jump_forward"]["valid"] == 1, structured["example"]
+    assert 0 < structured["mask_ms"] and 0 < structured["mask_fraction"] < 1 and structured["step_ms_plain"] > 0
+    per_step = structured["mask_ms_per_step"] / structured["mask_ms"]  # masks per decode step: every request's
+    assert 1 - 1e-9 <= per_step <= structured["requests"] + 1e-9
+    jump = structured["jump_forward"]
+    assert jump["forced_tokens"] > 0 and jump["steps"] < jump["steps_plain"]
 
 
 def check_serve(serve: dict) -> None:

@@ -22,9 +22,14 @@ from enginelib.model.tokenizer import IncrementalDetokenizer
 from .conftest import tiny_tokenizer
 
 PACKAGE = Path(enginelib.__file__).parent
-SCHEDULING_SIDE = ["config", "core.request", "core.outputs", "core.block_pool", "core.kv_manager", "core.scheduler"]
-CORE = ["config", "core", "model"]  # what the engine core may import from enginelib
-ONE_SITTING = ["core/scheduler", "core/kv_manager", "core/block_pool", "core/batch", "core/request", "core/runner",
+SCHEDULING_SIDE = ["config", "core.request", "core.outputs", "core.block_pool", "core.kv_manager", "core.scheduler",
+                   "structured_output"]  # a request's structured-output spec: plain data, as SamplingParams is
+MAY_IMPORT = {  # what a folder's modules may import from enginelib, anywhere in them (inside functions too)
+    "step": ["config", "model", "step"],  # a step's Batch and attention: below both the core and the speed code
+    "core": ["config", "model", "step", "core"],  # the speed parts come through the runner's one factory
+    "speed": ["baselines", "config", "model", "step", "speed"],  # nothing of the core
+}
+ONE_SITTING = ["core/scheduler", "core/kv_manager", "core/block_pool", "step/batch", "core/request", "core/runner",
                "core/output_processor", "core/engine", "config", "model/transformer", "model/weights", "model/sampling",
                "model/tokenizer", "model/__init__"]  # the core a reader must understand, file by file
 
@@ -49,15 +54,60 @@ def test_the_scheduling_side_imports_no_torch(module):
             assert name.removeprefix("enginelib.") in SCHEDULING_SIDE, f"{module}.py imports {name}"
 
 
-@pytest.mark.parametrize("module", sorted(p.stem for p in (PACKAGE / "core").glob("*.py")))
-def test_the_core_imports_nothing_above_it_at_module_level(module):
-    """No arrow from the core up to the speed code, serving, pictures or benchmark (the runner imports the
-    speed code inside the functions that need it, when a config asks)."""
-    tree = ast.parse((PACKAGE / "core" / f"{module}.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("enginelib"):
-            layer = node.module.split(".")[1] if "." in node.module else ""
-            assert layer in CORE, f"core/{module}.py imports {node.module} at module level"
+def _enginelib_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of each import of enginelib anywhere in the file: a lazy import inside a function, or one
+    under ``if TYPE_CHECKING:``, is an arrow all the same."""
+    package = ["enginelib", *path.relative_to(PACKAGE).parent.parts]  # where a relative import starts
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) + 1 - node.level] if node.level else []
+            found.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+    return [(line, name) for line, name in found if name.split(".")[0] == "enginelib"]
+
+
+def _layer(module: str) -> str:
+    """The folder (or top-level module) of enginelib that ``module`` is in: "core" for enginelib.core.runner."""
+    return module.split(".")[1] if "." in module else ""
+
+
+@pytest.mark.parametrize("path", [p.relative_to(PACKAGE).as_posix() for folder in MAY_IMPORT
+                                  for p in sorted((PACKAGE / folder).rglob("*.py"))])
+def test_the_core_and_the_speed_code_import_only_what_lies_below_them(path):
+    """No arrow from the core up to the speed code, serving, pictures or benchmark, nor from the speed code to the
+    core, not even inside a function: both build on step/, and the runner gets the speed code through one factory."""
+    allowed = MAY_IMPORT[path.split("/")[0]]
+    for line, name in _enginelib_imports(PACKAGE / path):
+        assert _layer(name) in allowed, f"{path}:{line} imports {name}"
+
+
+def test_no_folders_import_each_other_in_a_circle():
+    """No folder (or top-level module) of enginelib reaches itself again through imports at any depth, lazy ones
+    included. The package's __init__, above them all, is left out: it hands the speed code to the runner."""
+    arrows: dict[str, dict[str, str]] = {}  # folder -> folder it imports -> the first file:line that does
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE)
+        if where.parts == ("__init__.py",):
+            continue
+        here = where.parts[0].removesuffix(".py")
+        for line, name in _enginelib_imports(path):
+            if _layer(name) not in ("", here):
+                arrows.setdefault(here, {}).setdefault(_layer(name), f"{where.as_posix()}:{line}")
+
+    def circle(trail: list[str]) -> list[str] | None:
+        for there in sorted(arrows.get(trail[-1], {})):
+            if there in trail:
+                return trail[trail.index(there):] + [there]
+            found = circle(trail + [there])
+            if found:
+                return found
+        return None
+    for start in sorted(arrows):
+        found = circle([start])
+        assert found is None, "a circle of folders: " + " -> ".join(
+            f"{a} ({arrows[a][b]})" for a, b in zip(found, found[1:])) + f" -> {found[-1]}"
 
 
 def _loaded_after(code: str) -> list[str]:

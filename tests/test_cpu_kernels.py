@@ -224,7 +224,7 @@ def test_a_cpu_without_avx2_gets_the_one_sentence_everywhere(tiny, monkeypatch, 
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: machine)
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
     cpu_kernels._load.cache_clear()
-    from enginelib.core.runner import decode_attention_kernel
+    from enginelib.speed.factory import decode_attention_kernel
     from enginelib.speed.compiled import compile_unavailable
     from enginelib.speed.speculative import compile_draft_unavailable
 

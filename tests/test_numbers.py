@@ -45,7 +45,8 @@ DECLARED: dict[str, dict[str, str]] = {
                                "550": "quoted from the cited README at its pinned commit"},
     "08_measuring_a_server": {"320": "T4 datasheet: memory bandwidth in GB/s", "65": "T4 datasheet: float16 TFLOP/s",
                               "8.1": "T4 datasheet: float32 TFLOP/s",
-                              "512": "bench.read_bandwidth's default tensor (MiB)"},
+                              "512": "bench.read_bandwidth's default tensor (MiB)",
+                              "67": "load / (1 - load) doubles from 50% to 67% load: arithmetic, not a measurement"},
     "11_serving": {"256": "the server's --max-connections default (tests/test_serve_door.py binds the prose to it)"},
     "12_quantization": {"65504": "float16's largest finite value", "127": "int8's largest value"},
 }

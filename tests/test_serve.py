@@ -262,8 +262,8 @@ BAD = {  # case: (path, body, status, words in the message, the param OpenAI's e
     "best_of": ("/completions", json.dumps({"model": MODEL, "prompt": "Hi", "best_of": 3}).encode(), 400,
                 "best_of=3 is not supported", "best_of"),
     "logit_bias": ("/chat/completions", _chat(logit_bias={"42": 5}), 400, "logit_bias", "logit_bias"),
-    "response_format": ("/chat/completions", _chat(response_format={"type": "json_object"}), 400,
-                        "response_format", "response_format"),
+    "response_format": ("/chat/completions", _chat(response_format={"type": "json_schema"}), 400,
+                        "response_format", "response_format.json_schema"),
     "tools": ("/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
               "tools"),
     "a penalty out of range": ("/chat/completions", _chat(presence_penalty=2.5), 400, "presence_penalty must be in",
@@ -288,6 +288,19 @@ def test_bad_requests_get_openai_errors(server, case):
     assert got == status, answer
     error = answer["error"]
     assert error["type"] == "invalid_request_error" and words in error["message"] and error["param"] == param, error
+
+
+def test_structured_output_through_the_engine_process_with_the_openai_client(client):
+    """The spec crosses the pipe to the engine-core process and its grammar compiles there; the SDK's own shapes."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 20}}}
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name the capital of France, as JSON."}], temperature=0,
+        max_tokens=30, response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    assert answer.choices[0].finish_reason == "stop" and set(json.loads(answer.choices[0].message.content)) == {"city"}
+    picked = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                       extra_body={"guided_choice": ["Paris", "Rome"]})
+    assert picked.choices[0].text in ("Paris", "Rome") and picked.choices[0].finish_reason == "stop"
 
 
 def test_server_keeps_serving_after_bad_requests(server, client):

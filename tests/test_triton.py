@@ -180,7 +180,7 @@ def test_an_engine_attending_in_triton_gives_the_default_engines_tokens(tiny_dt)
 
 def test_the_runner_picks_one_decode_kernel_per_device():
     """One function decides: Triton on CUDA, C++ on a CPU in float32, a ValueError that says why elsewhere."""
-    from enginelib.core.runner import decode_attention_kernel
+    from enginelib.speed.factory import decode_attention_kernel
 
     if DEVICE.type == "cuda":
         assert decode_attention_kernel(DEVICE, torch.float16) is tk.decode_attention

@@ -39,6 +39,9 @@ def check_request(model: Transformer, prompt_ids: list[int], params: SamplingPar
     if params.stop:
         raise ValueError("stop strings are applied by the engine (chapter 7); Part I's generators "
                          "stop on tokens: use stop_token_ids")
+    if params.structured_output is not None:
+        raise ValueError("structured output is applied by the engine (chapter 12); Part I's generators do not "
+                         "constrain tokens: run the request through Engine or LLM")
 
 
 def _next_tokens(logits: torch.Tensor, params: SamplingParams, gens: list[Generation],

@@ -19,7 +19,7 @@ against the float one (chapter 12): speed ratios and perplexity.
 These slow sections (and ``hf``: transformers' ``hf_static`` system and its
 single stream, ``compile``, ``llama_cpp``) all run in a full run and
 none with ``--quick``, which keeps the core (systems, roofline, prefix cache,
-chunked prefill, KV waste); ``--sections`` picks them. Each part of the run
+chunked prefill, structured output's mask, KV waste); ``--sections`` picks them. Each part of the run
 prints a progress line with its seconds to stderr.
 
 The package, in the order a run uses it:
@@ -30,8 +30,8 @@ The package, in the order a run uses it:
   :mod:`.hf` (transformers), :mod:`.endpoint` (any OpenAI-compatible server);
 - :mod:`.roofline`: the machine's limits and decode against them;
   :mod:`.profile`: where a step's time goes; :mod:`.memory`: KV waste;
-- sections: :mod:`.scheduling` (prefix cache, chunked prefill, latency curve),
-  :mod:`.serving`, :mod:`.spec_decode`, :mod:`.quantization` (with :mod:`.quality`: perplexity, greedy
+- sections: :mod:`.scheduling` (prefix cache, chunked prefill, latency curve), :mod:`.structured` (a
+  grammar's token mask against the step), :mod:`.serving`, :mod:`.spec_decode`, :mod:`.quantization` (with :mod:`.quality`: perplexity, greedy
   agreement, bytes per weight), :mod:`.compilation`, :mod:`.llama_cpp`;
 - :mod:`.report` (tables, ratios) and :mod:`.cli` (``main``; ``__main__`` calls it).
 """

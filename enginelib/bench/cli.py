@@ -5,7 +5,7 @@ the ``serve`` section), run every system on every workload, then the sections,
 and write the report.
 
 The core (the systems on the workloads, the machine's roofline, prefix cache,
-chunked prefill, KV waste) always runs. The slow sections (:data:`SLOW_SECTIONS`:
+chunked prefill, structured output's mask, KV waste) always runs. The slow sections (:data:`SLOW_SECTIONS`:
 transformers, our server, speculative decoding, quantization, torch.compile,
 llama.cpp) all run in a full run and none with ``--quick``; ``--sections`` picks
 them either way.
@@ -39,6 +39,7 @@ from enginelib.bench.roofline import decode_step_time, engine_decode_step_time, 
 from enginelib.bench.scheduling import chunked_prefill_effect, prefix_cache_effect
 from enginelib.bench.serving import refused_flood_effect, serve_args, serve_effect, split_cpus
 from enginelib.bench.spec_decode import spec_decode_effect
+from enginelib.bench.structured import structured_effect
 from enginelib.bench.systems import SYSTEMS, run_engine, run_one_at_a_time, run_static
 from enginelib.bench.workloads import WORKLOADS, BenchRequest, Workload, chat_prompt, make_workload
 from enginelib.config import CompileConfig, EngineConfig, SchedulerConfig
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sections", default=None, metavar="LIST",
                     help=f"the slow sections to run, comma-separated from {', '.join(slow)}, or 'all' or 'none' "
                          "(default: all in a full run, none with --quick); the core (systems, roofline, prefix "
-                         "cache, chunked prefill, KV waste) always runs")
+                         "cache, chunked prefill, structured output, KV waste) always runs")
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
@@ -285,6 +286,10 @@ def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, .
             report["prefix_cache"] = prefix_cache_effect(model, tok, config, args.quick)
         with progress("chunked_prefill"):
             report["chunked_prefill"] = chunked_prefill_effect(model, tok, config, args.quick, args.chunk_budget)
+        with progress("structured"):
+            start = time.perf_counter()
+            report["structured"] = structured_effect(model, tok, config, args.quick)
+            report["structured"]["seconds"] = time.perf_counter() - start
     if server is not None:
         with progress("serve"):
             wl0 = make_workload(workloads[0], tok, args.quick, args.rate)

@@ -80,6 +80,13 @@ def print_summary(report: dict) -> None:
         print(f"chunked prefill (long-prompt{scaled}, budget {c['budget']}): decode p99 gap "
               f"{_fmt(c['itl_p99_on_s'], 1e3, 0)} ms with, {_fmt(c['itl_p99_off_s'], 1e3, 0)} ms without "
               f"(ratio {c['itl_p99_ratio']:.2f})")
+    if "structured" in report:
+        g = report["structured"]
+        j = g["jump_forward"]
+        print(f"structured output ({g['requests']} greedy JSON-schema requests): a mask {_fmt(g['mask_ms'], 1, 3)} ms, "
+              f"{g['mask_fraction']:.1%} of a {g['step_ms']:.1f} ms decode step ({g['step_ms_plain']:.1f} ms "
+              f"unconstrained); {g['valid']:.0%} of outputs valid; jump-forward {j['steps']} steps instead of "
+              f"{j['steps_plain']} ({j['forced_tokens']} tokens forced)")
     if "serve" in report:
         s = report["serve"]
         where = f", engine on CPUs {s['engine_cpus']}, client on {s['client_cpus']}" if s["engine_cpus"] else ""

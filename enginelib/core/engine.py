@@ -25,10 +25,11 @@ from enginelib.core.paged_cache import PagedKVCache
 from enginelib.core.record import StepRecord, snapshot
 from enginelib.core.request import Request, RequestStatus
 from enginelib.core.runner import ModelRunner, SpecStats
-from enginelib.core.scheduler import Scheduler
+from enginelib.core.scheduler import Scheduler, SchedulerOutput
 from enginelib.model.device import free_gpu_memory
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
+from enginelib.model.structured import StructuredOutputManager
 
 DEFAULT_CPU_KV_MEMORY = 512 * 2**20  # bytes of K/V on a CPU when nothing else is said
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ class Engine:
         self.pool = BlockPool(self._num_blocks(), config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, tokenizer.eos_token_id)
-        self.runner = ModelRunner(model, config, self.pool.num_blocks, tokenizer.eos_token_id)
+        self.structured = StructuredOutputManager(tokenizer, model.cfg.vocab_size, model.device)  # grammars' state
+        self.runner = ModelRunner(model, config, self.pool.num_blocks, tokenizer.eos_token_id, self.structured)
         self.output = OutputProcessor(tokenizer)
         self.history: list[StepRecord] = []
         self.steps = 0
@@ -97,11 +99,13 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use: pick another")
         request = Request(request_id, ids, params, prompt=prompt if isinstance(prompt, str) else None,
                           metrics=RequestMetrics(time.perf_counter()))
+        self.structured.add(request_id, params.structured_output)  # compiled (or refused) before anything else
         self.runner.add(request_id, params)  # its generator first: nothing reaches the scheduler half-made
         try:
             self.scheduler.add(request)  # raises if the pool could never hold it
         except ValueError:
             self.runner.release(request_id)
+            self.structured.release(request_id)
             raise
         self._next_id += numbered  # a refused request uses up no id
         self.output.add(request)
@@ -112,6 +116,7 @@ class Engine:
         request = self.scheduler.find(request_id)
         self.scheduler.finish(request, "abort")
         self.runner.release(request_id)
+        self.structured.release(request_id)
         out = self.output.abort(request, time.perf_counter())
         self._aborted.append(out)
         return out
@@ -150,15 +155,39 @@ class Engine:
                 self._fail(request, error)
             with record_function("update"):
                 self.scheduler.update(plan, tokens)
+            if self.structured.grammars:
+                with record_function("grammar"):
+                    self._follow_grammars(plan)
         outputs += self.output.process(plan, scheduled_time, time.perf_counter(), self.scheduler.stop, self._fail)
         ended = [out.request_id for out in outputs if out.finished]
         for request_id in ended:
             self.runner.release(request_id)
+            self.structured.release(request_id)
         self.steps += 1
         if self.config.record:
             self.history.append(snapshot(self.steps - 1, plan, (live.request for live in self.output.live.values()),
                                          ended, self.scheduler.running, self.pool))
         return outputs
+
+    def _follow_grammars(self, plan: SchedulerOutput) -> None:
+        """Each request with a grammar that sampled this step: its matcher takes the new tokens, and a grammar now
+        complete ends the request ("stop"). With ``jump_forward``, the tokens its grammar forces next are appended
+        now, unsampled, and computed with its next step's (not for a request asking for logprobs: they have none)."""
+        for work in plan.scheduled:
+            request, rid = work.request, work.request.request_id
+            if not work.samples or request.is_finished or rid not in self.structured.grammars:
+                continue
+            try:
+                complete = self.structured.advance(rid, request.output_token_ids)
+                if not complete and self.config.jump_forward and request.params.logprobs is None:
+                    self.structured.stats.forced_tokens += self.scheduler.append_forced(
+                        request, self.structured.forced_tokens(rid))
+                    complete = not request.is_finished and self.structured.advance(rid, request.output_token_ids)
+            except ValueError as error:  # its grammar refused a token (a stop token id, say): it fails alone
+                self._fail(request, error)
+                continue
+            if complete:
+                self.scheduler.finish(request, "stop")
 
     def _fail(self, request: Request, error: Exception) -> None:
         """One request's own failure ends it with finish_reason "error" and the message in its output."""

@@ -1,17 +1,16 @@
 """The model runner: turns one scheduled step into tokens, owning all of it that touches tensors (paged KV cache, batch,
-forward pass, sampling, verifying guesses). The only core module that reaches into :mod:`enginelib.speed`, it imports
-that lazily, when a config asks: a plain engine loads none of it."""
+forward pass, sampling, verifying guesses). The speed code a config asks for comes in through one factory, the
+runner's ``speed_factory``, which the package's ``__init__`` sets: the core imports nothing of :mod:`enginelib.speed`,
+and a plain engine loads none of it."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
 
 from enginelib.config import EngineConfig, SamplingParams
-from enginelib.core.batch import Batch, SequenceWork, to_device
 from enginelib.core.outputs import TokenLogprob
 from enginelib.core.paged_cache import PagedKVCache
 from enginelib.core.request import Request
@@ -19,6 +18,11 @@ from enginelib.core.scheduler import ScheduledWork, SchedulerOutput
 from enginelib.model.logits_processors import apply_history
 from enginelib.model.sampling import make_generator, sample, token_logprobs
 from enginelib.model.transformer import Transformer
+from enginelib.step.batch import Batch, SequenceWork, to_device
+from enginelib.step.parts import SpeedFactory, SpeedParts
+
+if TYPE_CHECKING:
+    from enginelib.model.structured import StructuredOutputManager
 
 
 @dataclass
@@ -46,40 +50,22 @@ class SpecStats:
 class ModelRunner:
     """The paged cache and the model, run one scheduled step at a time."""
 
-    def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int, eos: int | None = None) -> None:
-        self.model, self.config, self.eos = model, config, eos  # EOS: what min_tokens holds back
-        decode_kernel = decode_attention_kernel(model.device, model.dtype) if config.cpu_decode_kernel else None
-        self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype,
-                                  decode_kernel=decode_kernel)
-        self.proposer = None
-        if config.speculative is not None:
-            from enginelib.speed.speculative import make_proposer
-            self.proposer = make_proposer(config.speculative, model, config.scheduler.max_num_seqs)
-        self.spec_stats = SpecStats()  # proposed / accepted guesses (all zero without speculation)
-        self.compiled, self.compile_report = None, None
-        if config.compile is not None:
-            self.compiled, self.compile_report = self._compile()
-        self._generators: dict[str, torch.Generator | None] = {}
+    # builds the speed parts a config asks for: enginelib.speed's factory, which the package's __init__ (above both)
+    # sets here, so that the core imports none of the speed code
+    speed_factory: SpeedFactory | None = None
 
-    def _compile(self):
-        """Build the compiled decode step for every bucket now, or say why the engine stays eager."""
-        from enginelib.speed import compiled
-        config = self.config.compile
-        reason = compiled.compile_unavailable(self.model.device)
-        if reason and config.fallback:
-            compiled.fell_back_to_eager(config, reason)  # recorded (speed.paths); raises under ENGINELIB_STRICT_PATHS=1
-            warnings.warn(f"{reason}; the engine runs eagerly", RuntimeWarning, stacklevel=4)
-            return None, None
-        decoder = compiled.CompiledDecoder(self.model, config)  # raises ValueError with the reason if it cannot
-        try:
-            return decoder, decoder.compile(self.cache)
-        except torch._dynamo.exc.BackendCompilerFailed as e:  # e.g. the C++ compiler rejected inductor's code
-            inner = e.inner_exception
-            message = f"torch.compile failed: {type(inner).__name__}: {str(inner).strip()[:300]}"
-            if not config.fallback:
-                raise ValueError(f"{message} (CompileConfig(fallback=True) runs eagerly instead)") from e
-            warnings.warn(f"{message}; the engine runs eagerly", RuntimeWarning, stacklevel=4)
-            return None, None
+    def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int, eos: int | None = None,
+                 structured: StructuredOutputManager | None = None) -> None:
+        self.model, self.config, self.eos = model, config, eos  # EOS: what min_tokens holds back
+        self.structured = structured  # the grammars of requests with a structured_output: their token masks
+        self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype)
+        asks = config.cpu_decode_kernel or config.speculative is not None or config.compile is not None
+        self.speed = self.speed_factory(model, config, self.cache) if asks else SpeedParts()
+        self.cache.decode_kernel = self.speed.decode_kernel
+        self.proposer = self.speed.proposer  # a chapter or a test may swap in its own
+        self.spec_stats = SpecStats()  # proposed / accepted guesses (all zero without speculation)
+        self.compiled, self.compile_report = self.speed.compiled, self.speed.compile_report
+        self._generators: dict[str, torch.Generator | None] = {}
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         """A request's own random stream (None: greedy, or torch's global one when it has no seed)."""
@@ -97,7 +83,8 @@ class ModelRunner:
             n = min(k, request.params.max_tokens - len(request.output_token_ids) - 1)
             decodes = (request.num_uncomputed_tokens == 1
                        and request.num_computed_tokens >= len(request.prompt_token_ids))
-            if n < 1 or not decodes or request.params.uses_history:  # penalties change with each token of a run
+            # penalties change with each token of a run; a grammar's mask too (its requests decode unguessed)
+            if n < 1 or not decodes or request.params.uses_history or request.params.structured_output is not None:
                 continue
             try:  # one request's proposal (a draft model's step, a bad guess): it fails alone, the step goes on
                 guesses = list(self.proposer.propose(request.all_token_ids, n))[:n]
@@ -150,18 +137,21 @@ class ModelRunner:
         for work in sampling:
             request, n = work.request, 1 + len(work.draft_token_ids)
             rows.append(row)
-            if not request.params.greedy or request.params.uses_history:
+            structured = request.params.structured_output is not None
+            if not request.params.greedy or request.params.uses_history or structured:
                 try:  # one request's own failure (e.g. NaN probabilities in its row): it fails alone
                     generator = self._generators[request.request_id]
                     if work.draft_token_ids:
-                        from enginelib.speed.speculative import rejection_sample
-                        verdicts.append(rejection_sample(logits[row:row + n], work.draft_token_ids, request.params,
-                                                         generator))
+                        verdicts.append(self.speed.rejection_sample(logits[row:row + n], work.draft_token_ids,
+                                                                    request.params, generator))
                     else:
                         own = logits[row:row + 1]
                         if request.params.uses_history:  # penalties, min_tokens: on a copy (logprobs stay the model's)
                             own = apply_history(own.clone(), request.params, request.prompt_token_ids,
                                                 request.output_token_ids, self.eos)
+                        if structured:  # what its grammar cannot take next: -inf, on a copy too
+                            own = self.structured.mask(own if request.params.uses_history else own.clone(),
+                                                       request.request_id, request.output_token_ids)
                         tokens[row:row + 1] = sample(own, request.params, generator)
                 except Exception as error:  # noqa: BLE001 - the request fails with it, the step goes on
                     failed.append((request, error))
@@ -210,7 +200,6 @@ class ModelRunner:
     def _verify(self, sampling: list[ScheduledWork], tokens: torch.Tensor, rows: list[int],
                 verdicts: list[torch.Tensor], failed: list[tuple[Request, Exception]]) -> list[int | list[int]]:
         """Each work's verified run, from one transfer to the host; a request in ``failed`` gets a placeholder."""
-        from enginelib.speed.speculative import accept_greedy
         row = len(tokens)  # the verdicts follow the tokens on the host
         host = torch.cat([tokens, *verdicts]).tolist()
         sampled = iter(zip(host[row::2], host[row + 1::2]))
@@ -222,7 +211,7 @@ class ModelRunner:
                 out.append(host[first])
                 continue
             if work.request.params.greedy:
-                run = accept_greedy(guesses, host[first:first + len(guesses) + 1])
+                run = self.speed.accept_greedy(guesses, host[first:first + len(guesses) + 1])
             else:
                 kept, token = next(sampled)
                 run = guesses[:kept] + [token]
@@ -243,24 +232,3 @@ def prompt_rows(work: ScheduledWork) -> tuple[int, ...]:
                            "here (a prefix-cache hit on a request wanting prompt logprobs)")
     last = min(len(request.prompt_token_ids) - 1, work.start + work.num_tokens)
     return tuple(range(first - 1 - work.start, last - work.start))
-
-
-def decode_attention_kernel(device: torch.device | str, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """The fused decode attention for ``EngineConfig(cpu_decode_kernel=True)``, picked here only: our C++ kernel on a
-    float32 CPU (built now, so a failed build raises before the first step), Triton's on a CUDA GPU (bfloat16 from
-    compute capability 8.0). It writes the step's K/V and returns the attention; elsewhere: ValueError."""
-    kind = torch.device(device).type
-    if kind == "cpu":
-        from enginelib.speed import cpu_kernels
-        reason = cpu_kernels.unavailable(device, dtype)
-        if reason is None:
-            cpu_kernels.load()
-            return torch.ops.enginelib.decode_attention
-    elif kind == "cuda":
-        from enginelib.speed import triton_kernels
-        reason = triton_kernels.unavailable(device, dtype)
-        if reason is None:
-            return triton_kernels.decode_attention
-    else:
-        reason = f"the fused decode attention runs on a CPU (C++) or a CUDA GPU (Triton), not {kind}"
-    raise ValueError(f"cpu_decode_kernel cannot be used here: {reason}")

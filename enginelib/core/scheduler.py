@@ -202,6 +202,17 @@ class Scheduler:
         self.kv.keep(request, work.start + 1)
         return False
 
+    def append_forced(self, request: Request, tokens: Sequence[int]) -> int:
+        """Append tokens no step sampled (a grammar forces them: jump-forward), up to a stop or max_tokens; the next
+        step computes them, as a recomputed request's. Returns how many were appended."""
+        for n, token in enumerate(tokens, 1):
+            request.output_token_ids.append(token)
+            reason = finish_reason(token, len(request.output_token_ids), request.params, self.eos_token_id)
+            if reason:
+                self.finish(request, reason)
+                return n
+        return len(tokens)
+
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stopped, out of length, aborted, or failed) and give its blocks back."""
         if request.is_finished:

@@ -1,7 +1,8 @@
 """Logits edits that read a request's tokens so far, before temperature and the filters (as vLLM's sampler applies
 them): ``min_tokens`` and the repetition, presence and frequency penalties. The runner calls :func:`apply_history` only
 for a request that sets one (``SamplingParams.uses_history``), on a copy of its row: a default request's logits, and
-every request's logprobs, stay the model's own. Structured output's token masks (issue 40) belong here too."""
+every request's logprobs, stay the model's own. Structured output's token masks are :mod:`.structured`'s (each request
+keeps a grammar's state), applied the same way."""
 from __future__ import annotations
 
 import torch

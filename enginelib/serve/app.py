@@ -6,7 +6,9 @@ Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (with
 ``stream: true`` as server-sent events), ``/health`` and ``/metrics``
 (Prometheus). Every connection's request goes into the one engine loop, so
 clients share decode steps. ``n`` choices per prompt, a list of prompts (completions)
-and ``logprobs`` (``top_logprobs`` in chat) are OpenAI's. Bad requests get a 4xx in OpenAI's error shape; a
+and ``logprobs`` (``top_logprobs`` in chat) are OpenAI's; so is ``response_format``, which with vLLM's
+``guided_*`` and ``structured_outputs`` fields holds the output to a schema, a regex, a choice or a grammar
+(:mod:`.guided`). Bad requests get a 4xx in OpenAI's error shape; a
 full waiting queue gets a 503 with ``Retry-After``; a request that fails inside
 the engine gets a 500 (a stream: an error event, then ``[DONE]``) while the
 others go on; a client that disconnects has its request aborted.
@@ -44,6 +46,7 @@ from enginelib.core.outputs import StreamDelta, TokenLogprob
 from enginelib.serve.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestFailed, RequestStream,
                                           refuse_long_text)
 from enginelib.serve.guard import Guard, error_object, is_loopback
+from enginelib.serve.guided import guided_field
 from enginelib.serve.logprobs import chat_logprobs, joined, legacy_logprobs, vllm_prompt_logprobs
 from enginelib.serve.metrics import ServerMetrics
 from enginelib.serve.protocol import (MAX_N, ApiError, ChatBody, CompletionBody, StreamOptions, _Body, echo,
@@ -179,6 +182,9 @@ def build_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: int = DEF
         except (ValueError, EngineOverloaded, EngineDead) as error:
             for stream in streams:
                 stream.close()
+            if isinstance(error, ValueError) and str(error).startswith("structured output"):  # it did not compile
+                field = guided_field(body)
+                raise ApiError(400, f"{field}: {error}", field) from None
             if isinstance(error, ValueError):  # the prompt: past the context, empty, out of the vocabulary
                 where = f"prompt {len(streams) // n}: " if len(prompts) > 1 else ""
                 raise ApiError(400, where + str(error), param(str(error)) or "prompt") from None
@@ -491,6 +497,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decode steps through torch.compile (compiled at start-up, one graph per batch size)")
     p.add_argument("--compile-batch-sizes", type=lambda s: tuple(int(b) for b in s.split(",")), default=None,
                    help="comma-separated decode batch sizes to compile (default: 1,2,4,8,16,32)")
+    p.add_argument("--jump-forward", action="store_true",
+                   help="structured output: append the tokens a grammar forces without sampling them (chapter 12)")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="requests queued beyond the batch's free seats past which new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
@@ -539,7 +547,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_prefix_caching=args.enable_prefix_caching,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
-                                  speculative=speculative, compile=compile_config)
+                                  speculative=speculative, compile=compile_config, jump_forward=args.jump_forward)
 
 
 def load_draft(model: str, device: str | None) -> Transformer:

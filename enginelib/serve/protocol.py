@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from enginelib.config import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from enginelib.serve.guard import error_object
+from enginelib.serve.guided import FieldError, GuidedFields, structured_output, tighten_schemas
 
 MAX_N = 16        # samples per prompt at most: each is a request of its own in the batch
 MAX_PROMPTS = 64  # prompts in one /v1/completions body at most
@@ -57,8 +58,9 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = None  # (vLLM's) every chunk carries the usage so far
 
 
-class _Body(BaseModel):
-    """Fields both endpoints take; ``None`` (or leaving one out) means the default."""
+class _Body(GuidedFields):
+    """Fields both endpoints take (those that constrain the output: :mod:`.guided`); ``None`` (or leaving one out)
+    means the default."""
 
     model_config = ConfigDict(strict=True, extra="allow")  # extras are checked against REFUSED, then refused
     model: str
@@ -138,15 +140,14 @@ class ChatBody(_Body):
 # (null always does): any other value is refused by name, never ignored. A name in neither the bodies nor here
 # is refused as unknown. ``echo`` is a completions field; on chat (vLLM's "echo the last message") it is refused.
 REFUSED: dict[str, tuple] = {
-    "best_of": (1,), "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],),
+    "best_of": (1,), "logit_bias": ({},), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False),
     "echo": (False,), "suffix": ("",), "audio": (), "modalities": (["text"],), "prediction": (),
     "reasoning_effort": (), "verbosity": (), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
     "web_search_options": (), "prompt_cache_key": (), "safety_identifier": (),
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
     "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],), "spaces_between_special_tokens": (True,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "structural_tag": (), "structured_outputs": (), "logits_processors": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structural_tag": (), "logits_processors": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "add_special_tokens": (),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "mm_processor_kwargs": (), "priority": (0,),
     "request_id": (), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,), "cache_salt": (),
@@ -272,6 +273,10 @@ def sampling_params(body: _Body, prompt: list[int], context: int, logprobs: int 
     if max_tokens is None:  # as vLLM does: whatever the context leaves after the prompt
         max_tokens = max(1, context - len(prompt))
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    try:
+        given["structured_output"] = structured_output(body)
+    except FieldError as error:
+        raise ApiError(400, str(error), error.param) from None
     try:  # echo with max_tokens 0: one token is generated and dropped (as vLLM does); logprobs cover the prompt too
         return SamplingParams(max_tokens=1 if max_tokens == 0 else max_tokens,
                               stop=[] if body.stop is None else body.stop, logprobs=logprobs, **given,
@@ -363,6 +368,7 @@ def openapi_schema(base: dict, keyed: bool, vocab_size: int = 2**31, model_name:
         if model is not ErrorBody:
             _strict_body(schema, model, vocab_size, model_name)
         schemas[model.__name__] = schema
+    tighten_schemas(schemas, [CompletionBody.__name__, ChatBody.__name__])
     schemas["TextPart"] = TextPart.model_json_schema()
     message = schemas["Message"]
     message["additionalProperties"] = False  # a message's tool calls, audio...: refused by name

@@ -1,2 +1,3 @@
 """The speed code (Part IV): C++ CPU kernels, Triton GPU kernels, quantized weights, compiled decode and
-speculative decoding. Only the model runner imports it, lazily, when a config asks for it."""
+speculative decoding. The core never imports it: the model runner calls its one factory (factory.py), which
+the package's ``__init__`` hands it, when a config asks; a plain engine loads none of it."""

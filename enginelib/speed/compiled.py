@@ -29,15 +29,16 @@ Elsewhere attention is an opaque custom operator, ``enginelib::paged_attend``, t
 everything it reads and writes, as the C++ kernel is: one layer's pools (which it writes the new K/V
 into, a mutation it declares), the slots, the block tables padded to the same fixed width, the step's
 mask, and the numbers of real rows and table columns on the host. It runs the engine's own gather and
-SDPA (:func:`enginelib.core.paged_cache.paged_attention`) over the columns in use. With
+SDPA (:func:`enginelib.step.attention.paged_attention`) over the columns in use. With
 ``mode="reduce-overhead"`` on a GPU, inductor's graph partition replays CUDA graphs for the pieces
 between the attention calls. Nothing is bound or kept between calls, so engines in one process, or in
 two threads, share no state through this module.
 
-With ``freeze`` on a CPU, the traced model's float32 linears call oneDNN's matmul on a weight packed in
-the graph (:class:`_OneDNNLinear`); freezing folds that packing into a constant once, so each step runs
-the kernel the eager engine's packed linears run, and inductor's own freezing, which would pack float32
-weights for MKL instead, finds no plain matmul to repack.
+With ``freeze`` on a CPU where ``load_model`` chose to pack (``model.packing``), the traced model's float32
+linears call oneDNN's matmul on a weight packed in the graph (:class:`_OneDNNLinear`); freezing folds that
+packing into a constant once, so each step runs the kernel the eager engine's packed linears run, and
+inductor's own freezing, which would pack float32 weights for MKL instead, finds no plain matmul to repack.
+Where the timing chose plain linears, the frozen graph keeps them too and inductor packs them for MKL.
 """
 from __future__ import annotations
 
@@ -55,15 +56,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginelib.config import CompileConfig
-from enginelib.core.batch import Batch, SequenceWork, to_device
-from enginelib.core.paged_cache import (
-    PagedKVCache,
-    AttentionGroup,
-    paged_attention,
-)
 from enginelib.model.device import unpack_linears
 from enginelib.model.transformer import Transformer, attention_mask
 from enginelib.speed import cpu_kernels, paths
+from enginelib.step.attention import AttentionGroup, PagedPools, paged_attention
+from enginelib.step.batch import Batch, SequenceWork, to_device
 
 RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 TRACING_RECOMPILE_LIMIT = 1024  # graphs per code object while a bucket traces: every decoder's buckets, all engines
@@ -147,7 +144,7 @@ class _OpaqueCache:
 
 def row_mask(positions: torch.Tensor, num_keys: int, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask [P, 1, 1, num_keys] of rows that each attend to the keys up to their own position, as
-    the engine's decode group builds it (:func:`enginelib.core.paged_cache._attention_groups`)."""
+    the engine's decode group builds it (:func:`enginelib.step.attention.attention_groups`)."""
     keys = torch.arange(num_keys, device=positions.device)
     return attention_mask((keys[None, :] <= positions[:, None])[:, None, None], num_groups, dtype)
 
@@ -336,8 +333,9 @@ class CompiledDecoder:
             raise ValueError(reason)
         self.freeze = model.device.type == "cpu" and config.freeze
         self.model = unpack_linears(model)  # same weights; eager steps keep the packed linears
-        if self.freeze:
-            self.model = onednn_linears(self.model)
+        packing = getattr(model, "packing", None)  # load_model's verdict: does oneDNN's packed matmul pay here?
+        if self.freeze and (packing is None or packing.pack):
+            self.model = onednn_linears(self.model)  # else inductor's freezing packs the plain linears for MKL
         options = _options(config, model.device)
         # on a CPU in float32, attention reads the paged cache in our C++ kernel (no gather, no mask, no SDPA call)
         kernel_runs = cpu_kernels.unavailable(model.device, model.dtype) is None
@@ -369,7 +367,7 @@ class CompiledDecoder:
                        context_lens: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.model(token_ids, _GraphCache(block_tables, context_lens, k, v), positions=positions)[0]
 
-    def table_width(self, cache: PagedKVCache) -> int:
+    def table_width(self, cache: PagedPools) -> int:
         """The fixed width the block tables are padded to: the blocks of the longest possible sequence."""
         return min(cache.num_blocks, -(-self.model.cfg.context_length // cache.block_size))
 
@@ -464,7 +462,7 @@ class CompiledDecoder:
         return call
 
     @torch.inference_mode()
-    def __call__(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+    def __call__(self, batch: Batch, cache: PagedPools) -> torch.Tensor:
         size = self.bucket(batch.num_tokens)
         self.calls[size] += 1
         pad = size - batch.num_tokens
@@ -486,7 +484,7 @@ class CompiledDecoder:
         # a CUDA graph's output lives in its memory pool, which the next replay reuses: keep a copy
         return logits[:batch.num_tokens].clone() if self.cuda_graphs else logits[:batch.num_tokens]
 
-    def compile(self, cache: PagedKVCache) -> CompileReport:
+    def compile(self, cache: PagedPools) -> CompileReport:
         """Trace and build every bucket now, on a throwaway batch that writes only block 0, then clear it."""
         seconds = {}
         try:

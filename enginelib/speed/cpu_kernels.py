@@ -288,7 +288,7 @@ def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blo
     """What the kernel trusts, for a direct call with tensors: every sequence has 0 (padding) to (its table's)
     keys, and the blocks holding them are in the pool. Checked in Python, where an error is an exception (one
     thrown in C++ must cross torch's dispatcher, which crashed a process on one machine). It reads the tensors,
-    so an engine's step checks its Batch on the host instead (:meth:`enginelib.core.batch.Batch.check_pool`)."""
+    so an engine's step checks its Batch on the host instead (:meth:`enginelib.step.batch.Batch.check_pool`)."""
     width = block_tables.shape[1]
     bad = ((context_lens < 0) | (context_lens > width * block_size)).nonzero()
     if len(bad):
@@ -311,7 +311,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     row, left alone, zeros out). Writes k, v at each sequence's last position,
     then returns [S, H, D]: the paged-attention kernel of a decode step, with no
     keys gathered or copied. (An engine's step, eager or compiled, calls the operator itself,
-    after one :meth:`~enginelib.core.batch.Batch.check_pool` on the host for all its layers.)
+    after one :meth:`~enginelib.step.batch.Batch.check_pool` on the host for all its layers.)
     """
     load()
     _check(q.dim() == 3 and k.dim() == v.dim() == 3 and k_pool.dim() == 4 and k.shape == v.shape

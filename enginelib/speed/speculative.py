@@ -28,11 +28,11 @@ import torch
 
 from enginelib.baselines.kv_cache import ContiguousKVCache
 from enginelib.config import CompileConfig, SamplingParams, SpeculativeConfig
-from enginelib.core.batch import Batch, SequenceWork, to_device
 from enginelib.model.sampling import filter_logits
 from enginelib.model.transformer import Transformer
 from enginelib.speed import cpu_kernels
 from enginelib.speed.compiled import CompiledDecoder, compile_unavailable
+from enginelib.step.batch import Batch, SequenceWork, to_device
 
 
 class Proposer(Protocol):

@@ -33,7 +33,7 @@ Triton compiles for the GPU; with ``TRITON_INTERPRET=1`` in the environment from
 imported until the kernels have run, it runs the same kernels on CPU tensors with numpy (slowly): that is
 how tests/test_triton.py checks them on a machine without a GPU, and the only place CI runs them.
 :func:`unavailable` says where they cannot run.
-This module is imported only by callers that asked for it (the runner's choice of a decode kernel, quant's
+This module is imported only by callers that asked for it (factory.py's choice of a decode kernel, quant's
 ``triton`` kernel): a plain engine never loads Triton.
 """
 from __future__ import annotations  # the kernels' ``tl.constexpr`` annotations stay strings: Triton reads them so
@@ -227,7 +227,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     kernel (default: :func:`partitions`; 1: one program per sequence and KV head, one launch).
 
     The tables are trusted: an engine's step checks them once, on the host, in
-    :meth:`enginelib.core.batch.Batch.check_pool` (reading them here would make every step wait for the GPU)."""
+    :meth:`enginelib.step.batch.Batch.check_pool` (reading them here would make every step wait for the GPU)."""
     _check(q.dim() == 3 and k.dim() == v.dim() == 3 and k_pool.dim() == 4 and k.shape == v.shape
            == (q.shape[0], k_pool.shape[2], q.shape[2]) and k_pool.shape == v_pool.shape
            and k_pool.shape[3] == q.shape[2] and q.shape[1] % k_pool.shape[2] == 0,
