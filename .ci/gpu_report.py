@@ -36,9 +36,9 @@ STEPS = ("tests", "chapters", "kernels", "bench")  # what GPU_CHECK_SKIP may nam
 # that path, gone eager or gathered without a fallback event (a caller that checked availability first and
 # quietly took another way), fails here. Update it when a chapter changes what it runs on a GPU.
 MUST_RUN = {
-    "13_decode_without_overhead": ("compiled decode",),
-    "14_speculative_decoding": ("compiled draft",),
-    "15_going_further": ("decode attention",),
+    "14_decode_without_overhead": ("compiled decode",),
+    "15_speculative_decoding": ("compiled draft",),
+    "16_going_further": ("decode attention",),
     "bench": ("decode attention",),  # the quick benchmark runs with --decode-kernel: the Triton kernel on
 }
 

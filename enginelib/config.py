@@ -206,7 +206,7 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How to speculate (chapter 14): ``method`` "ngram" (prompt lookup) or "draft" (a second, smaller model)."""
+    """How to speculate (chapter 15): ``method`` "ngram" (prompt lookup) or "draft" (a second, smaller model)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: guesses per step, so up to k + 1 tokens per step
     prompt_lookup_max: int = 4       # n-gram: the longest suffix looked up earlier in the sequence
@@ -237,7 +237,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """What to compile (chapter 13): steps padded up to ``batch_sizes`` tokens (one per decoding sequence)."""
+    """What to compile (chapter 14): steps padded up to ``batch_sizes`` tokens (one per decoding sequence)."""
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     mode: str | None = None       # torch.compile's mode: None (its default) or e.g. "reduce-overhead" (CUDA graphs)
     # CPU: the weights become graph constants (folded, pre-packed for oneDNN, not ~430 arguments each step): faster
@@ -267,7 +267,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse computed blocks of a shared prefix (chapter 9)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # seats, token budget, chunked prefill
     record: bool = False                # keep a StepRecord per step (for timelines and block maps)
-    speculative: SpeculativeConfig | None = None  # guess tokens and verify them in one step (chapter 14); off: None
+    speculative: SpeculativeConfig | None = None  # guess tokens and verify them in one step (chapter 15); off: None
     compile: CompileConfig | None = None  # decode and verify steps through torch.compile, per bucket; off: None (eager)
     # eager decode steps attend with a fused kernel reading K/V where they lie, not gathered for SDPA: C++ on a float32
     # CPU, Triton on a CUDA GPU (the name is older); enginelib.speed.factory.decode_attention_kernel picks it or

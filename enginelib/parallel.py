@@ -1,4 +1,4 @@
-"""Tensor parallelism (chapter 15): one model split across processes, Megatron-style.
+"""Tensor parallelism (chapter 16): one model split across processes, Megatron-style.
 
 Each rank holds a slice of every layer: some attention heads (with their KV
 heads, so each rank caches only its own K/V) and some of the MLP's columns.

@@ -258,7 +258,7 @@ def prose_lines(root: Path = ROOT):
 
 
 ROMAN = {"I": 1, "II": 2, "III": 3, "IV": 4, "V": 5, "VI": 6, "VII": 7, "VIII": 8, "IX": 9, "X": 10}
-# "chapter 7", "Chapter 11's", "chapters 5 to 7", "chapters 9–14", "chapters 1, 11 and 12"
+# "chapter 7", "Chapter 11's", "chapters 5 to 7", "chapters 9–15", "chapters 1, 11 and 13"
 CHAPTER_REF = re.compile(r"\b(?:[Cc]hapter\s+\d+|[Cc]hapters\s+\d+(?:\s*(?:[–—-]|,(?:\s*(?:and|or))?|and|or|to)\s*\d+)*)")
 # "Part III", "Parts I and II"
 PART_REF = re.compile(r"\bParts?\s+[IVX]+\b(?:\s*(?:[–—-]|,|and|or|to)\s*[IVX]+\b)*")

@@ -81,7 +81,7 @@ class FixedLogits(torch.nn.Module):
 
 
 def test_a_three_way_near_tie_passes_and_the_runner_up_need_not_be_involved():
-    """Rounded int8 activations (chapter 12) can flip between the 2nd and 3rd candidates: both are near the best."""
+    """Rounded int8 activations (chapter 13) can flip between the 2nd and 3rd candidates: both are near the best."""
     reference = FixedLogits([0.0, 5.0, 4.95, 4.9, 4.0])
     verdict = check_greedy(None, [[0]], [[1, 3]], [[1, 2]], reference=reference)
     assert verdict.near_ties == (Divergence(0, 1, pytest.approx(0.1)),)

@@ -36,13 +36,13 @@ def event(what: str, ran: str, requested: str | None = None, why: str = "", fall
 
 
 CHAPTER_PATHS = {  # what a good run on a T4 records per chapter
-    "12_quantization": [event("quant kernel int8 576x576", "triton", "auto"),
+    "13_quantization": [event("quant kernel int8 576x576", "triton", "auto"),
                         event("quant kernel int4 576x1536", "triton", "auto")],
-    "13_decode_without_overhead": [event("compiled decode", "torch.compile (mode=default), attention in the "
+    "14_decode_without_overhead": [event("compiled decode", "torch.compile (mode=default), attention in the "
                                          "paged_attend operator", "torch.compile (mode=default)")],
-    "14_speculative_decoding": [event("compiled draft", "torch.compile (mode=default), attention in the "
+    "15_speculative_decoding": [event("compiled draft", "torch.compile (mode=default), attention in the "
                                       "paged_attend operator", "torch.compile (mode=default)")],
-    "15_going_further": [event("decode attention", "triton"),
+    "16_going_further": [event("decode attention", "triton"),
                          event("CUDA graphs", "inductor's CUDA graphs", "mode=reduce-overhead")],
 }
 LEFT_OUT = event("quant kernel int4 576x1536", "auto without it", "auto (with triton)",
@@ -109,31 +109,31 @@ def test_a_clean_run_passes_and_its_report_says_what_ran(run, tmp_path):
     assert problems == [] and "Result: **passed**." in text
     assert ("Tesla T4 (compute capability 7.5, 14.7 GiB, driver 550.54.15), torch 2.8.0+cu124 (CUDA 12.4), "
             "Triton 3.4.0, Python 3.12.11, enginelib at abc1234.") in text
-    assert "| 12_quantization | 30 | passed | int4: triton; int8: triton | - | no | 0 |" in text
-    assert "| 13_decode_without_overhead | 31 | passed | - | decode: (mode=default), attention in the " in text
-    assert "| 15_going_further | 33 | passed | decode attention: triton | - | yes | 0 |" in text
+    assert "| 13_quantization | 30 | passed | int4: triton; int8: triton | - | no | 0 |" in text
+    assert "| 14_decode_without_overhead | 31 | passed | - | decode: (mode=default), attention in the " in text
+    assert "| 16_going_further | 33 | passed | decode attention: triton | - | yes | 0 |" in text
     assert "## The chapters on the GPU in float16" in text and "- needs a C++ CPU (float32: 2, float16: 2)" in text
     assert "| int4 linear | float16 | M=1, 960x576 | 8.0 | 40.0 | 12.0 | 1.50x | 1.0e-03 | ok |" in text
     assert "| systems | decode attention: triton | - | no | 0 |" in text and "engine_vs_naive: 9.1" in text
 
 
 def test_one_fallback_fails_the_check_and_the_report_names_it(run, tmp_path):
-    """auto leaving out the Triton int4 kernel in chapter 12's float16 run: everything else passed."""
+    """auto leaving out the Triton int4 kernel in chapter 13's float16 run: everything else passed."""
     rewrite(run / "chapters-float16.json", lambda rows: rows[0]["paths"].append(LEFT_OUT))
     problems = report_module.verdict(run)
-    assert problems == ["chapter 12_quantization (float16): fell back: quant kernel int4 576x1536: asked for auto "
+    assert problems == ["chapter 13_quantization (float16): fell back: quant kernel int4 576x1536: asked for auto "
                         "(with triton), ran auto without it: it failed on int4 [576, 1536]: CompilationError: out "
                         "of shared memory"]
     report_module.report(tmp_path / "r.md", run)
     text = (tmp_path / "r.md").read_text()
     assert "Result: **FAILED (1 problem)**." in text and f"- {problems[0]}" in text
-    assert "| 12_quantization | 30 | passed | int4: triton; int8: triton | - | no | 1 |" in text
+    assert "| 13_quantization | 30 | passed | int4: triton; int8: triton | - | no | 1 |" in text
 
 
 def test_a_path_a_chapter_must_run_that_never_ran_fails_the_check(run):
-    """Chapter 13 gone eager without a fallback event (a caller that checked availability and took another way)."""
+    """Chapter 14 gone eager without a fallback event (a caller that checked availability and took another way)."""
     rewrite(run / "chapters-float32.json", lambda rows: rows[1]["paths"].clear())
-    assert report_module.verdict(run) == ["chapter 13_decode_without_overhead (float32): compiled decode never ran "
+    assert report_module.verdict(run) == ["chapter 14_decode_without_overhead (float32): compiled decode never ran "
                                           "(this run must show it on a GPU: MUST_RUN in .ci/gpu_report.py)"]
 
 
@@ -150,7 +150,7 @@ def test_failures_skips_and_missing_steps_each_fail_the_check(run, monkeypatch):
         "preflight: Triton kernels (float32) cannot run here: Triton is not installed",
         "unit tests (float32): 1 failed, 0 errors of 40",
         "unit tests (float32): tests.test_quant::test_bad_0: assert 1 == 2",
-        "chapter 14_speculative_decoding (float16): failed at cell 40: ValueError: boom",
+        "chapter 15_speculative_decoding (float16): failed at cell 40: ValueError: boom",
         "kernel micro-benchmark: decode attention 32 x 2048 keys float16: Triton cannot run here: no Triton",
         "quick benchmark: exit 2: error: unrecognized arguments: --decode-kernel",
         "quick benchmark: decode attention never ran (this run must show it on a GPU: MUST_RUN in .ci/gpu_report.py)"]
@@ -168,7 +168,7 @@ def test_a_t4_run_records_its_passed_chapters_float32_times_for_the_book(run, tm
     assert report_module.record_runtimes(run, runtimes) == 3
     times = json.loads(runtimes.read_text())
     assert times["cpu"] == {"01_model": {"seconds": 33}} and set(times["t4"]) == set(list(CHAPTER_PATHS)[:3])
-    assert times["t4"]["12_quantization"] == {"seconds": 30, "dtype": "float32", "date": "2026-12-07",
+    assert times["t4"]["13_quantization"] == {"seconds": 30, "dtype": "float32", "date": "2026-12-07",
                                                   "gpu": "Tesla T4", "torch": "2.8.0+cu124", "commit": "abc1234"}
     h100 = recorded_run(tmp_path / "h100", gpu="NVIDIA H100 80GB HBM3", half="bfloat16")
     assert report_module.record_runtimes(h100, tmp_path / "none.json") == 0 and not (tmp_path / "none.json").exists()

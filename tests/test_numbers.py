@@ -48,7 +48,8 @@ DECLARED: dict[str, dict[str, str]] = {
                               "512": "bench.read_bandwidth's default tensor (MiB)",
                               "67": "load / (1 - load) doubles from 50% to 67% load: arithmetic, not a measurement"},
     "11_serving": {"256": "the server's --max-connections default (tests/test_serve_door.py binds the prose to it)"},
-    "12_quantization": {"65504": "float16's largest finite value", "127": "int8's largest value"},
+    "13_quantization": {"65504": "float16's largest finite value", "127": "int8's largest value"},
+    "14_decode_without_overhead": {"12": "chapter 13's table decodes max_tokens=12 (its code says so)"},
 }
 
 # "1,234.5", "0.79", "42", "-3"; not part of a word ("Q4_1", "H100", "fp16") or a version ("2.13.0").
@@ -167,7 +168,7 @@ REVIEWED = {  # (chapter, words around the phrase): why it needs no guard of its
     ("01_model", "grows faster than the sequence itself"): "growth rates (chapter 2 measures it), not a timing",
     ("10_chunked_prefill", "a chunk step slower than a decode-only step"):
         "the summary points at the factor printed and asserted with the measurement",
-    ("12_quantization", "even where it runs faster than float32"): "the speed of dynamic int8 is printed above",
+    ("13_quantization", "even where it runs faster than float32"): "the speed of dynamic int8 is printed above",
 }
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (chapter 15): the split covers every head and column once, and two processes
+"""Tensor parallelism (chapter 16): the split covers every head and column once, and two processes
 generate the single process's greedy tokens."""
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def _decoder(tiny, monkeypatch, mode: str | None = None) -> tuple[compiled.Compi
 
 
 def test_a_compile_that_fails_is_recorded_before_the_caller_runs_eagerly_and_strict_raises(tiny, monkeypatch):
-    """Chapter 13 catches a failed compile and runs eagerly: the failure is in the record all the same; strict,
+    """Chapter 14 catches a failed compile and runs eagerly: the failure is in the record all the same; strict,
     it raises a FallbackError (which the runner's ``except BackendCompilerFailed`` does not swallow)."""
     decoder, cache = _decoder(tiny, monkeypatch)
 

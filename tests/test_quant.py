@@ -1,4 +1,4 @@
-"""Quantization (chapter 12): stored forms round-trip within their rounding bounds, every fast kernel
+"""Quantization (chapter 13): stored forms round-trip within their rounding bounds, every fast kernel
 matches the plain-PyTorch reference, quantized models keep their quality and run in the engine."""
 from __future__ import annotations
 

@@ -98,17 +98,17 @@ VLLM_EXCEPTIONS = {
     ("vllm/entrypoints/openai/api_server.py", "048027fbbdb8c252560205a6159ba3288ede291e"):
         "ch11: init_app_state builds no OpenAIServingChat there, and the key guards /v2 and /inference too",
     ("vllm/model_executor/layers/quantization/fp8.py", "0071b24bf8fe8c3d1bc3516d0ff8477f07964aaf"):
-        "ch12: quantizing at load is Fp8OnlineLinearMethod there",
+        "ch13: quantizing at load is Fp8OnlineLinearMethod there",
     ("vllm/config/speculative.py", "f19b16d95e4395790661f4835e4436bc3dd5d9c7"):
-        "ch14: disable_by_batch_size is gone there (#35060), and there are more methods",
+        "ch15: disable_by_batch_size is gone there (#35060), and there are more methods",
     ("vllm/v1/sample/rejection_sampler.py", "0097a7bbf1d91c71f03e35dc6c6fe978b88181f5"):
-        "ch14: IS_NGRAM is NO_DRAFT_PROBS there",
+        "ch15: IS_NGRAM is NO_DRAFT_PROBS there",
     ("vllm/v1/spec_decode/eagle.py", "008603a39fff2a383a293c62eec0c752c42199f2"):
-        "ch14: EagleProposer.propose lives in llm_base_proposer.py there",
+        "ch15: EagleProposer.propose lives in llm_base_proposer.py there",
     ("vllm/v1/attention/backends/triton_attn.py", "001ceb3e98e7a19ebe33f542a368fa73bf6c76ad"):
-        "ch15: forward no longer writes the K/V (do_kv_cache_update does)",
+        "ch16: forward no longer writes the K/V (do_kv_cache_update does)",
     ("vllm/attention/ops/triton_unified_attention.py", "001ceb3e98e7a19ebe33f542a368fa73bf6c76ad"):
-        "ch15: the file moved to vllm/v1/attention/ops/",
+        "ch16: the file moved to vllm/v1/attention/ops/",
 }
 VLLM_FILE = re.compile(r"https://github\.com/vllm-project/vllm/(?:blob|tree)/([0-9a-f]{40})/([^)#\s\"'>]+)")
 

@@ -38,9 +38,13 @@ class MiniEngine:
         batch = Batch.build(work, self.pool.block_size, self.model.device)
         logits = self.model(batch.token_ids, self.cache.bind(batch), positions=batch.positions,
                             logits_indices=batch.logits_indices)
-        tokens = logits.argmax(dim=-1).tolist()         # greedy: one new token per scheduled request
+        tokens = self.sample(plan, logits)              # one new token per scheduled request
         finished = self.scheduler.update(plan, tokens)  # append them; finished requests free their blocks
         return plan, finished
+
+    def sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[int]:
+        """Greedy: each row's most likely token (chapter 12 masks some rows first)."""
+        return logits.argmax(dim=-1).tolist()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

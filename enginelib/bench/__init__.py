@@ -14,8 +14,8 @@ with the same workload, as one more system. The ``serve`` section starts our
 own server on the same engine config and compares its throughput under
 concurrent streams with the offline engine's: the cost of HTTP and SSE.
 The ``spec_decode`` section runs the engine with and without speculation (an int4 draft, n-gram lookup;
-chapter 14), the ``quant`` section the int8 and int4 models
-against the float one (chapter 12): speed ratios and perplexity.
+chapter 15), the ``quant`` section the int8 and int4 models
+against the float one (chapter 13): speed ratios and perplexity.
 These slow sections (and ``hf``: transformers' ``hf_static`` system and its
 single stream, ``compile``, ``llama_cpp``) all run in a full run and
 none with ``--quick``, which keeps the core (systems, roofline, prefix cache,

@@ -1,4 +1,4 @@
-"""The ``compile`` section: decode steps through torch.compile against the eager engine (chapter 13)."""
+"""The ``compile`` section: decode steps through torch.compile against the eager engine (chapter 14)."""
 from __future__ import annotations
 
 from enginelib.bench.results import sync_device

@@ -1,4 +1,4 @@
-"""What quantizing costs in quality and what it saves in bytes (chapter 12's table, the ``quant`` section).
+"""What quantizing costs in quality and what it saves in bytes (chapter 13's table, the ``quant`` section).
 
 Measurement, not conversion: it lives with the benchmark, which alone may run Part I's generators
 (:mod:`enginelib.baselines`) as its yardstick; :mod:`enginelib.speed.quant` only converts models.
@@ -128,7 +128,7 @@ def linear_bytes_per_param(model: nn.Module) -> float:
 
 @dataclass
 class FormatRow:
-    """One row of chapter 12's table."""
+    """One row of chapter 13's table."""
 
     fmt: str
     bytes_per_param: float

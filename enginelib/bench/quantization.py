@@ -1,4 +1,4 @@
-"""The ``quant`` section: int8 and int4 weights against the float model (chapter 12)."""
+"""The ``quant`` section: int8 and int4 weights against the float model (chapter 13)."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,4 @@
-"""The ``spec_decode`` section: the engine with and without speculation, by a draft model and by n-gram lookup (chapter 14)."""
+"""The ``spec_decode`` section: the engine with and without speculation, by a draft model and by n-gram lookup (chapter 15)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -91,7 +91,7 @@ def spec_decode_effect(model: Transformer, tok: Tokenizer, quick: bool, k: int, 
     """Decode speed with speculation ÷ without, greedy, same prompts and max_tokens.
 
     The headline: batch 1 (one request at a time) on the seed workload's chats,
-    with ``draft`` (our model quantized, chapter 12) proposing, its one-token steps
+    with ``draft`` (our model quantized, chapter 13) proposing, its one-token steps
     compiled where they can be (``compile_draft``: a CPU with a C++ compiler). Then n-gram
     lookup on the same chats, the same at batch 8, where a plain step is no
     longer bound by reading the weights, so the extra verified rows cost more and

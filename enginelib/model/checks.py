@@ -9,7 +9,7 @@ are right. :func:`check_greedy` tells that apart from a bug: a request passes
 when its tokens are identical, or when they first differ at a *near-tie*, a
 position where both tokens' logits are within ``threshold`` of the float32
 reference model's best (usually they are its top two; with activations rounded to
-int8, as chapter 12's fastest kernels do, a third candidate can be as close).
+int8, as chapter 13's fastest kernels do, a third candidate can be as close).
 
 ``NEAR_TIE_MARGIN`` is 0.25 logits. Measured on SmolLM2-135M on a CPU, teacher-forced
 over the float32 greedy runs of eight chat prompts (393 positions), float16 against

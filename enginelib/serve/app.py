@@ -522,7 +522,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     ``--speculative-config`` takes SpeculativeConfig's fields, and for method "draft" a ``model`` key, as
     vLLM's does: the draft, a GGUF file (or known name) loaded as stored by :func:`quant.load_quantized`;
-    by default the served model's own file, whose Q4_1 layers make it an int4 draft (chapter 14).
+    by default the served model's own file, whose Q4_1 layers make it an int4 draft (chapter 15).
     The draft loads here, after every flag has been checked and before the served model.
     """
 

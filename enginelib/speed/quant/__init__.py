@@ -1,4 +1,4 @@
-"""Smaller weights, same model: int8 and int4 weight-only quantization, float16 and bfloat16 (chapter 12).
+"""Smaller weights, same model: int8 and int4 weight-only quantization, float16 and bfloat16 (chapter 13).
 
 A decode step reads every weight once per token, so on a CPU (and at batch 1 on
 a GPU) its time is mostly the time to stream the weights from memory. Storing

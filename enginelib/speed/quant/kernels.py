@@ -326,7 +326,7 @@ class KernelTiming:
     kernel: str
     ms_m1: float
     ms_m32: float
-    rel_error: float  # ||y - y_reference|| / ||y_reference|| on a fixed random input
+    rel_error: float  # ||y - y_reference|| / ||y_reference|| on calibration activations (the layer's inputs)
     chosen: bool = False
     rejected: str | None = None  # why it was not eligible (too inaccurate)
 
