@@ -25,9 +25,9 @@ PACKAGE = Path(enginelib.__file__).parent
 SCHEDULING_SIDE = ["config", "core.request", "core.outputs", "core.block_pool", "core.kv_manager", "core.scheduler",
                    "structured_output"]  # a request's structured-output spec: plain data, as SamplingParams is
 MAY_IMPORT = {  # what a folder's modules may import from enginelib, anywhere in them (inside functions too)
-    "step": ["config", "model", "step"],  # a step's Batch and attention: below both the core and the speed code
-    "core": ["config", "model", "step", "core"],  # the speed parts come through the runner's one factory
-    "speed": ["baselines", "config", "model", "step", "speed"],  # nothing of the core
+    "step": ["config", "env", "model", "step"],  # a step's Batch and attention: below both the core and the speed code
+    "core": ["config", "env", "model", "step", "core"],  # the speed parts come through the runner's one factory
+    "speed": ["baselines", "config", "env", "model", "step", "speed"],  # nothing of the core
 }
 ONE_SITTING = ["core/scheduler", "core/kv_manager", "core/block_pool", "step/batch", "core/request", "core/runner",
                "core/output_processor", "core/engine", "config", "model/transformer", "model/weights", "model/sampling",

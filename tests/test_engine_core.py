@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from enginelib import LLM, SamplingParams
-from enginelib.serve.app import build_engine, parse_args
-from enginelib.serve.async_engine import EngineDead, EngineOverloaded
+from enginelib import LLM, Engine, EngineConfig, SamplingParams
+from enginelib.serve.async_engine import AsyncEngine
+from enginelib.serve.cli import build_engine, parse_args
+from enginelib.serve.engine_client import EngineClient, EngineDead, EngineOverloaded
 from enginelib.serve.engine_core import EngineCoreClient
 
 PROMPTS = ["The capital of France is", "Water boils at", "My favourite colour is", "Once upon a time"]
@@ -48,6 +49,16 @@ def test_streams_equal_offline(core, real):
         return await asyncio.gather(*(_text(core, p, params) for p in PROMPTS))
     assert asyncio.run(main()) == [o.outputs[0].text for o in LLM.from_model(*real).generate(PROMPTS, params)]
     _idle(core)
+
+
+def test_the_thread_and_the_process_are_both_engine_clients(core, real):
+    """The app asks only for EngineClient's members, whichever engine it is given; idle, neither is overloaded."""
+    thread = AsyncEngine(Engine(*real, EngineConfig(num_blocks=16)), max_waiting=0, threads=1)
+    try:
+        for client in (core, thread):
+            assert isinstance(client, EngineClient) and client.overloaded() is None, type(client).__name__
+    finally:
+        thread.shutdown()
 
 
 def test_a_refused_prompt_never_reaches_the_core(core, monkeypatch):

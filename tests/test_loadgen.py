@@ -14,7 +14,7 @@ import pytest
 
 from enginelib import LLM, SamplingParams, bench
 from enginelib.serve import ServerProcess
-from enginelib.serve.loadgen import LoadResult, StreamTiming, percentile, run_load, run_load_sync
+from enginelib.bench.loadgen import LoadResult, StreamTiming, percentile, run_load, run_load_sync
 
 MODEL = "smollm2-135m"
 PROMPTS = ["The capital of France is", "Once upon a time, a dragon", "Three colors are", "Bees make honey by"]

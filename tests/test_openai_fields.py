@@ -16,7 +16,8 @@ from enginelib import LLM, SamplingParams
 from enginelib.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from enginelib.core.engine import Engine
 from enginelib.serve.app import build_app
-from enginelib.serve.async_engine import AsyncEngine, EngineOverloaded
+from enginelib.serve.async_engine import AsyncEngine
+from enginelib.serve.engine_client import EngineOverloaded
 
 from .test_serve_door import _idle, call
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import enginelib.env as env
 from enginelib.config import CompileConfig
 from enginelib.core.paged_cache import PagedKVCache
 from enginelib.speed import compiled, cpu_kernels, paths
@@ -19,8 +20,8 @@ from .conftest import DEVICE, TINY_ON_CPU, tiny_device
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     """Each test starts with no events, no log file and strict mode off."""
-    monkeypatch.delenv(paths.STRICT_ENV, raising=False)
-    monkeypatch.delenv(paths.LOG_ENV, raising=False)
+    monkeypatch.delenv(env.STRICT_PATHS, raising=False)
+    monkeypatch.delenv(env.PATHS_LOG, raising=False)
     paths.clear()
     yield
     paths.clear()
@@ -28,7 +29,7 @@ def fresh(monkeypatch):
 
 def test_events_are_recorded_once_tagged_with_their_section_and_logged_to_the_file(tmp_path, monkeypatch):
     log = tmp_path / "paths.jsonl"
-    monkeypatch.setenv(paths.LOG_ENV, str(log))
+    monkeypatch.setenv(env.PATHS_LOG, str(log))
     for _ in range(3):  # a kernel called every layer of every step: one event
         paths.ran("decode attention", "triton")
     with paths.section("systems"):
@@ -46,7 +47,7 @@ def test_events_are_recorded_once_tagged_with_their_section_and_logged_to_the_fi
 
 @pytest.mark.parametrize("value, raises", [("1", True), ("true", True), ("0", False), ("", False)])
 def test_strict_mode_raises_on_a_fallback_from_a_path_asked_for_by_name_only(monkeypatch, value, raises):
-    monkeypatch.setenv(paths.STRICT_ENV, value)
+    monkeypatch.setenv(env.STRICT_PATHS, value)
     paths.fell_back("quant kernel int8 8x8", "auto (with cpp)", "auto without it", "no compiler", explicit=False)
     if raises:
         with pytest.raises(paths.FallbackError, match="compiled decode: asked for torch.compile .* no Triton"):
@@ -66,7 +67,7 @@ def test_auto_records_the_kernels_it_left_out_and_the_one_it_chose(tiny, monkeyp
     monkeypatch.setitem(kernels.KERNELS, "broken", kernels.Kernel("broken", ("int8",), ("cpu", "cuda"), lambda qw: qw,
                                                                   broken, lambda p: p))
     monkeypatch.setattr(cpu_kernels, "unavailable", lambda *args: "forced: no C++ kernels here")
-    monkeypatch.setenv(paths.STRICT_ENV, "1")
+    monkeypatch.setenv(env.STRICT_PATHS, "1")
     with pytest.warns(RuntimeWarning, match="kernel 'broken' left out"):
         q = quantize(tiny, "int8")
     info = quant_info(q)
@@ -110,7 +111,7 @@ def test_a_compile_that_fails_is_recorded_before_the_caller_runs_eagerly_and_str
     assert (event.what, event.requested) == ("compiled decode", "torch.compile (mode=default)")
     assert event.why == "RuntimeError: inductor refused the graph" and "eager" in event.ran
     paths.clear()
-    monkeypatch.setenv(paths.STRICT_ENV, "1")
+    monkeypatch.setenv(env.STRICT_PATHS, "1")
     with pytest.raises(paths.FallbackError, match="compiled decode: asked for torch.compile") as raised:
         decoder.compile(cache)
     assert isinstance(raised.value.__context__, RuntimeError)  # the compile's own error, chained
@@ -137,7 +138,7 @@ def test_a_compiled_step_records_its_path_and_whether_inductor_skipped_its_cuda_
     graphs = [e for e in paths.events() if e.what == "CUDA graphs"]
     assert [e.fallback for e in graphs] == [bool(skipped_graphs)]
     if skipped_graphs:
-        monkeypatch.setenv(paths.STRICT_ENV, "1")
+        monkeypatch.setenv(env.STRICT_PATHS, "1")
         paths.clear()
         with pytest.raises(paths.FallbackError, match="CUDA graphs: asked for mode=reduce-overhead"):
             decoder.compile(cache)

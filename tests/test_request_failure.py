@@ -22,7 +22,8 @@ from enginelib.config import SamplingParams, SchedulerConfig, SpeculativeConfig
 from enginelib.core.engine import Engine, EngineConfig
 from enginelib.core.outputs import RequestOutput
 from enginelib.serve.app import build_app
-from enginelib.serve.async_engine import AsyncEngine, RequestFailed
+from enginelib.serve.async_engine import AsyncEngine
+from enginelib.serve.engine_client import RequestFailed
 from enginelib.speed import speculative
 
 from .conftest import tiny_tokenizer

@@ -26,7 +26,8 @@ from enginelib import LLM, SamplingParams
 from enginelib.core.engine import Engine, EngineConfig
 from enginelib.core.scheduler import SchedulerConfig
 from enginelib.serve import ServerProcess
-from enginelib.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from enginelib.serve.async_engine import AsyncEngine
+from enginelib.serve.engine_client import EngineDead, EngineOverloaded
 
 from .test_stop_strings import ending_in_token
 

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from enginelib.config import EngineConfig
 from enginelib.core.engine import Engine
 from enginelib.model.transformer import ModelConfig, Transformer
-from enginelib.serve.app import BODY_TIMEOUT, build_app, parse_args
+from enginelib.serve.app import BODY_TIMEOUT, build_app
 from enginelib.serve.async_engine import AsyncEngine
+from enginelib.serve.cli import parse_args
 
 MODEL = "smollm2-135m"
 KEY = "sekrit"
@@ -186,7 +187,7 @@ def _idle(engine: AsyncEngine, timeout: float = 5.0) -> bool:
 
 
 JUNK = st.sampled_from([None, b"", b"{", b"\xff\xfe", b"[]", b"null"])  # bytes that are not a JSON object
-FUZZ_EXAMPLES = int(os.environ.get("ENGINELIB_FUZZ_EXAMPLES", "2000"))
+FUZZ_EXAMPLES = int(os.environ.get("ENGINELIB_FUZZ_EXAMPLES", "1000"))
 
 
 def fuzz(examples: int):

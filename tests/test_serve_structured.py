@@ -11,8 +11,9 @@ import pytest
 
 from enginelib.config import EngineConfig
 from enginelib.core.engine import Engine
-from enginelib.serve.app import build_app, engine_config, parse_args
+from enginelib.serve.app import build_app
 from enginelib.serve.async_engine import AsyncEngine
+from enginelib.serve.cli import engine_config, parse_args
 
 from .test_openai_fields import CHAT, MODEL, post
 from .test_serve_door import _idle, call

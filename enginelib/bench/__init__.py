@@ -27,7 +27,8 @@ The package, in the order a run uses it:
 - :mod:`.workloads`: the request lists (same token ids for every system);
 - :mod:`.results`: :class:`SystemResult`, latencies, the same-tokens check;
 - :mod:`.systems`: naive, contiguous cache, static batches, the engine;
-  :mod:`.hf` (transformers), :mod:`.endpoint` (any OpenAI-compatible server);
+  :mod:`.hf` (transformers), :mod:`.endpoint` (any OpenAI-compatible server, driven by :mod:`.loadgen`, the
+  load generator that chapter 11 points at servers too);
 - :mod:`.roofline`: the machine's limits and decode against them;
   :mod:`.profile`: where a step's time goes; :mod:`.memory`: KV waste;
 - sections: :mod:`.scheduling` (prefix cache, chunked prefill, latency curve), :mod:`.structured` (a

@@ -8,7 +8,7 @@ from enginelib.bench.workloads import Workload
 from enginelib.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from enginelib.serve.loadgen import LoadResult
+    from enginelib.bench.loadgen import LoadResult
 
 ENDPOINT = "endpoint"  # an OpenAI-compatible server at --endpoint, run only when one is given
 
@@ -26,7 +26,7 @@ def run_endpoint(url: str, served_model: str, tok: Tokenizer, wl: Workload, conc
     start. At most ``concurrency`` are in flight; waiting for a free slot counts
     in a request's TTFT, as waiting in the engine's queue does.
     """
-    from enginelib.serve.loadgen import run_load_sync  # imported when used: it pulls in the openai client
+    from enginelib.bench.loadgen import run_load_sync  # imported when used: it pulls in the openai client
 
     prompts = [tok.decode(r.prompt_ids) if text_prompts else r.prompt_ids for r in wl.requests]
     arrivals = [r.arrival_s for r in wl.requests]

@@ -57,7 +57,7 @@ class SystemResult:
 
 def nearest_rank(values: list[float], q: float) -> float | None:
     """Nearest rank (:func:`loadgen.percentile`): every percentile reported is a latency that was measured."""
-    from enginelib.serve.loadgen import percentile  # imported when used: the loader pulls in the openai client
+    from enginelib.bench.loadgen import percentile  # imported when used: the loader pulls in the openai client
 
     return percentile(values, q)
 

@@ -142,7 +142,7 @@ def serve_effect(server: ServerProcess, model: Transformer, tok: Tokenizer, wl: 
     holds the queueing that the arrivals' spread causes (the offline engine has
     every request before its first step), so it cannot say what serving costs.
     """
-    from enginelib.serve.loadgen import run_load_sync  # imported when used: it pulls in the openai client
+    from enginelib.bench.loadgen import run_load_sync  # imported when used: it pulls in the openai client
 
     engine_cpus, client_cpus = cpus or (None, None)
     times = cpu_times()

@@ -92,14 +92,16 @@ def spec_decode_effect(model: Transformer, tok: Tokenizer, quick: bool, k: int, 
 
     The headline: batch 1 (one request at a time) on the seed workload's chats,
     with ``draft`` (our model quantized, chapter 13) proposing, its one-token steps
-    compiled where they can be (``compile_draft``: a CPU with a C++ compiler). Then n-gram
+    compiled where they can be (``compile_draft``: a CPU with a C++ compiler; eager in a quick run). Then n-gram
     lookup on the same chats, the same at batch 8, where a plain step is no
     longer bound by reading the weights, so the extra verified rows cost more and
     the gain shrinks, and on extractive prompts (copy a passage), the case prompt
     lookup is made for.
     """
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
-    compiled = compile_draft_unavailable(draft) is None  # the draft's one-token steps compiled, where they can be
+    # the draft's one-token steps compiled, where they can be; not in a quick run, where compiling them would take
+    # most of the section's time (tests/test_speculative.py and chapter 15 compile them)
+    compiled = not quick and compile_draft_unavailable(draft) is None
     drafted = SpeculativeConfig(method="draft", num_speculative_tokens=k, draft_model=draft, compile_draft=compiled)
     draft_format += ", compiled" if compiled else ""
     n, new, new8, n_ext = (2, 24, 12, 1) if quick else (8, 128, 64, 4)

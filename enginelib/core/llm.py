@@ -17,6 +17,12 @@ from enginelib.model.weights import DEFAULT_MODEL, load_model
 Prompt = str | list[int]
 
 
+def fan_out(params: SamplingParams, n: int | None = None) -> list[SamplingParams]:
+    """A prompt's ``n`` samples (``params.n`` unless given) as the params of ``n`` requests of their own, sample j
+    seeded ``seed + j`` (as vLLM's child requests): ``LLM.generate`` and the server fan ``n`` out here alone."""
+    return [params.sample(j) for j in range(params.n if n is None else n)]
+
+
 def _samples(outs: list[RequestOutput]) -> RequestOutput:
     """One prompt's n samples as one output (the first's id and metrics), completion j being sample j."""
     if len(outs) == 1:
@@ -61,8 +67,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 ids.append([])
-                for j in range(p.n):  # n samples: n requests; the later ones find the prompt's blocks cached
-                    ids[-1].append(self.engine.add_request(prompt, p.sample(j)))
+                for sample in fan_out(p):  # n samples: n requests; the later ones find the prompt's blocks cached
+                    ids[-1].append(self.engine.add_request(prompt, sample))
         except ValueError:
             for rid in (rid for group in ids for rid in group):  # all or nothing: take back the ones queued
                 self.engine.abort(rid)

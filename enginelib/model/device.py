@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import enginelib.env as env
+
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
     """CUDA when present, else CPU; an explicit choice always wins."""
@@ -30,7 +32,7 @@ def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
     ``device`` is accepted so that a per-device choice can come back without
     changing callers; today the answer is the same on every device.
     """
-    name = os.environ.get("ENGINELIB_DTYPE", "float32").strip().lower()
+    name = env.dtype_name("float32")
     if name not in DTYPES:
         raise ValueError(f"ENGINELIB_DTYPE={name!r} is not a dtype enginelib runs in: "
                          f"set it to one of {', '.join(DTYPES)} (or unset it for float32)")
@@ -57,7 +59,7 @@ def set_threads(threads: int | None = None) -> int:
     so we default to a modest count: ``$ENGINELIB_THREADS``, else at most 4.
     """
     if threads is None:
-        threads = int(os.environ.get("ENGINELIB_THREADS", min(4, os.cpu_count() or 1)))
+        threads = env.threads(min(4, os.cpu_count() or 1))
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     torch.set_num_threads(threads)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import enginelib.env as env
 from enginelib.model.device import can_pack, default_dtype, pack_linears, pick_device
 from enginelib.model.packing import PackingChoice, cpu_model, pack_if_it_pays
 from enginelib.model.tokenizer import Tokenizer
@@ -37,7 +38,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def cache_dir() -> Path:
     """Where fetched models live: ``$ENGINELIB_CACHE``, else ``~/.cache/enginelib``."""
-    return Path(os.environ.get("ENGINELIB_CACHE", Path.home() / ".cache" / "enginelib")).expanduser()
+    return env.cache_dir(Path.home() / ".cache" / "enginelib")
 
 
 def fetch(name: str = DEFAULT_MODEL) -> Path:

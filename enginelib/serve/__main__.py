@@ -1,4 +1,4 @@
 """``python -m enginelib.serve``: start the OpenAI-compatible server."""
-from enginelib.serve.app import main
+from enginelib.serve.cli import main
 
 main()

@@ -2,7 +2,8 @@
 
 In one process, the event loop (HTTP, JSON, SSE) and the engine loop (schedule,
 run, detokenize) share one interpreter lock: while one runs Python, the other
-waits. :class:`EngineCoreClient` has :class:`AsyncEngine`'s API, but the
+waits. :class:`EngineCoreClient` has :class:`AsyncEngine`'s API (both are an
+:class:`~enginelib.serve.engine_client.EngineClient`), but the
 :class:`Engine` lives in a child process that does nothing else:
 
     API process                               engine-core process
@@ -12,12 +13,13 @@ waits. :class:`EngineCoreClient` has :class:`AsyncEngine`'s API, but the
 A prompt is tokenized and checked (length, vocabulary) in the API process, so a
 refused one never reaches the engine. Each step the core sends one message: the
 deltas of every request that moved, and the engine's counters. The channel is a
-``multiprocessing`` pipe (pickle over a Unix socket): a step's message of 32
-deltas takes tens of microseconds, against tens of milliseconds for the step.
+``multiprocessing`` pipe (pickle over a Unix socket), its messages the dataclasses of :mod:`.core_messages`:
+a step's message of 32 deltas takes tens of microseconds, against tens of milliseconds for the step.
 Detokenizing and stop strings stay with the engine (vLLM moves them to the API
 process): they cost microseconds a token, and a stop string found where the
 token is sampled ends the request in that very step, with no extra token and
-no abort sent back.
+no abort sent back. The core's loop has the same body as :class:`AsyncEngine`'s thread
+(:class:`~enginelib.serve.engine_loop.EngineLoop`).
 """
 from __future__ import annotations
 
@@ -28,17 +30,19 @@ import logging
 import multiprocessing
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
-from enginelib.config import SamplingParams, stop_hold_back
-from enginelib.core.engine import Engine, EngineStats
-from enginelib.core.outputs import DeltaCursor
+from enginelib.config import SamplingParams
+from enginelib.core.engine import Engine
+from enginelib.core.outputs import StreamDelta
 from enginelib.model.device import set_threads
-from enginelib.serve.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestStream, _call_soon,
-                                          _put_all, _Stream, checked_prompt, overloaded)
+from enginelib.serve.core_messages import Abort, Add, Answer, Dead, Failed, Ready, Step, Stop
+from enginelib.serve.engine_client import (EngineDead, EngineOverloaded, RequestStream, Subscriber, Subscribers,
+                                           check_max_waiting, checked_prompt, generate_deltas, overload)
+from enginelib.serve.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +57,7 @@ class EngineCoreClient:
 
     def __init__(self, build: Callable[[], Engine], *, max_waiting: int | None = None, threads: int | None = None,
                  cpus: set[int] | None = None, timeout: float = 600.0) -> None:
-        if max_waiting is not None and max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0 (or None for no limit), got {max_waiting}")
+        check_max_waiting(max_waiting)
         self.max_waiting = max_waiting
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
@@ -66,19 +69,20 @@ class EngineCoreClient:
             self.process.kill()
             raise TimeoutError(f"the engine core was not ready within {timeout} s")
         try:
-            kind, *ready = self._conn.recv()
+            ready = self._conn.recv()
         except EOFError:
             self.process.join(5)
-            kind, ready = f"it exited with code {self.process.exitcode}", []
-        if kind != "ready":
+            ready = Failed(f"it exited with code {self.process.exitcode}")
+        if not isinstance(ready, Ready):
             self.process.join(5)
-            raise RuntimeError(f"the engine core failed to start: {ready[0] if ready else kind}")
-        self.tokenizer, self.context_length, self.vocab_size, self.stats = ready
+            raise RuntimeError(f"the engine core failed to start: {ready.why}")
+        self.tokenizer, self.context_length, self.vocab_size = ready.tokenizer, ready.context_length, ready.vocab_size
+        self._max_num_seqs, self.stats = ready.max_num_seqs, ready.stats
         self.error: BaseException | None = None
         self._stopping = False
         self._send_lock, self._lock = threading.Lock(), threading.Lock()
-        self._streams: dict[str, _Stream] = {}         # the reader thread delivers to these
-        self._pending: dict[int, tuple[Future, _Stream | None]] = {}  # commands waiting for the core's answer
+        self._subscribers = Subscribers()  # the reader thread delivers to these
+        self._pending: dict[int, tuple[Future, Subscriber | None]] = {}  # commands waiting for the core's answer
         self._ids = itertools.count()
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._reader.start()
@@ -91,24 +95,29 @@ class EngineCoreClient:
         before anything reaches the core."""
         params = SamplingParams() if params is None else params
         ids = checked_prompt(prompt, params, self.tokenizer, self.vocab_size, self.context_length)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())  # the core makes the deltas
-        request_id = await self._call("add", ids, params, request_id, stream=stream)
-        return RequestStream(self, request_id, stream.queue)
+        subscriber = Subscriber.here()  # the core makes the deltas
+        request_id = await self._call(lambda number: Add(number, ids, params, request_id), subscriber)
+        return RequestStream(request_id, subscriber.queue, self._close)
 
-    generate = AsyncEngine.generate  # the same: queue with add_request, yield the deltas, abort if left early
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Queue with add_request, yield the deltas until the request finishes, abort it if left early."""
+        return generate_deltas(self, prompt, params, request_id)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; False if it had already finished (or never existed)."""
-        with self._lock:
-            self._streams.pop(request_id, None)
-        return await self._call("abort", request_id)
+        self._subscribers.pop(request_id)
+        return await self._call(lambda number: Abort(request_id, number))
+
+    def overloaded(self) -> str | None:
+        """Why a request would be turned away now (None: it would be taken), from the core's latest counters."""
+        return overload(self.stats.waiting, self.stats.running, self._max_num_seqs, self.max_waiting)
 
     def _close(self, request_id: str) -> None:
         """A stream closed before its end (its client left): abort it in the core, answer unread."""
-        with self._lock:
-            self._streams.pop(request_id, None)
+        self._subscribers.pop(request_id)
         if self.is_running:
-            self._send(("abort", None, request_id))
+            self._send(Abort(request_id))
 
     @property
     def is_running(self) -> bool:
@@ -123,24 +132,25 @@ class EngineCoreClient:
         self._stopping = True
         if self.process.is_alive():
             with contextlib.suppress(BrokenPipeError):  # it died meanwhile: nothing to stop, the kill below reaps it
-                self._send(("stop",))
+                self._send(Stop())
             self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
         self._reader.join(timeout)
 
-    async def _call(self, kind: str, *args: Any, stream: _Stream | None = None) -> Any:
+    async def _call(self, command: Callable[[int], Add | Abort], subscriber: Subscriber | None = None) -> Any:
+        """Send ``command(number)`` and await the core's answer to that number."""
         if not self.is_running:
             raise EngineDead(f"the engine core is not running (error: {self.error!r})")
         future: Future = Future()
         with self._lock:
-            command = next(self._ids)
-            self._pending[command] = (future, stream)
-        self._send((kind, command, *args))
+            number = next(self._ids)
+            self._pending[number] = (future, subscriber)
+        self._send(command(number))
         return await asyncio.wrap_future(future)
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Add | Abort | Stop) -> None:
         with self._send_lock:
             self._conn.send(message)
 
@@ -150,13 +160,14 @@ class EngineCoreClient:
         error: BaseException = EngineDead("the engine core was shut down")
         try:
             while True:
-                kind, *body = self._conn.recv()
-                if kind == "step":
-                    self._deliver(*body)
-                elif kind == "answer":
-                    self._answer(*body)
-                else:  # "dead": the core's loop raised; it exits after this message
-                    error = EngineDead(f"the engine core stopped: {body[0]}")
+                message = self._conn.recv()
+                if isinstance(message, Step):
+                    self.stats = message.stats
+                    self._subscribers.deliver(message.deltas)
+                elif isinstance(message, Answer):
+                    self._answer(message)
+                else:  # Dead: the core's loop raised; it exits after this message
+                    error = EngineDead(f"the engine core stopped: {message.why}")
                     self.error = error
                     return
         except (EOFError, OSError):  # the pipe closed: the core exited (shut down, or killed)
@@ -167,44 +178,27 @@ class EngineCoreClient:
         finally:
             self._fail_everyone(error)
 
-    def _answer(self, command: int, result: Any, error: BaseException | None) -> None:
+    def _answer(self, answer: Answer) -> None:
         with self._lock:
-            future, stream = self._pending.pop(command)
+            future, subscriber = self._pending.pop(answer.number)
         if not future.set_running_or_notify_cancel():  # its caller stopped waiting (a client gone mid-add)
-            if error is None and stream is not None:
-                self._send(("abort", None, result))  # a request nobody will read
+            if answer.error is None and subscriber is not None:
+                self._send(Abort(answer.result))  # a request nobody will read
             return
-        if error is not None:
-            future.set_exception(error)
+        if answer.error is not None:
+            future.set_exception(answer.error)
             return
-        if stream is not None:
-            with self._lock:
-                self._streams[result] = stream
-        future.set_result(result)
-
-    def _deliver(self, deltas: list, stats: EngineStats) -> None:
-        self.stats = stats
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        with self._lock:
-            for delta in deltas:
-                stream = self._streams.get(delta.request_id)
-                if stream is None:
-                    continue  # closed by its caller: nobody reads it
-                if delta.finished:
-                    del self._streams[delta.request_id]
-                batches.setdefault(stream.loop, []).append((stream.queue, delta))
-        for loop, items in batches.items():
-            _call_soon(loop, _put_all, items)
+        if subscriber is not None:
+            self._subscribers.add(answer.result, subscriber)
+        future.set_result(answer.result)
 
     def _fail_everyone(self, error: BaseException) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-            streams, self._streams = self._streams, {}
         for future, _ in pending.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
-        for stream in streams.values():
-            _call_soon(stream.loop, stream.queue.put_nowait, error)
+        self._subscribers.fail_all(error)
 
 
 # --- the engine-core process --------------------------------------------------------------------
@@ -218,53 +212,47 @@ def _run_core(conn: Connection, build: Callable[[], Engine], max_waiting: int | 
     try:
         engine = build()
     except BaseException as error:  # noqa: BLE001 - the parent raises it; this process ends here
-        conn.send(("failed", f"{type(error).__name__}: {error}"))
+        conn.send(Failed(f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from error
-    conn.send(("ready", engine.tokenizer, engine.model.cfg.context_length, engine.model.cfg.vocab_size,
-               engine.stats()))
-    cursors: dict[str, DeltaCursor] = {}
+    served = EngineLoop(engine, max_waiting)
+    conn.send(Ready(engine.tokenizer, engine.model.cfg.context_length, engine.model.cfg.vocab_size,
+                    served.max_num_seqs, engine.stats()))
+    stopped = False
+
+    def take_commands(block: bool) -> bool:
+        """Apply every command that came in (idle: sleep until one comes); False once told to stop."""
+        nonlocal stopped
+        timeout = None if block else 0
+        while conn.poll(timeout):
+            timeout = 0
+            command = conn.recv()
+            if isinstance(command, Stop):
+                stopped = True
+                return False
+            _apply(served, command, conn)
+        return True
     try:
-        while True:
-            busy = engine.has_unfinished_requests()
-            timeout = 0 if busy else None  # idle: sleep until a command comes
-            while conn.poll(timeout):
-                timeout = 0
-                command = conn.recv()
-                if command[0] == "stop":
-                    return
-                _apply(engine, command, cursors, max_waiting, conn)
-            if busy or engine.has_unfinished_requests():
-                deltas = []
-                for out in engine.step():
-                    cursor = cursors.pop(out.request_id, None) if out.finished else cursors.get(out.request_id)
-                    if cursor is not None:  # None: aborted, nobody waits for it
-                        deltas.append(cursor.delta(out))
-                conn.send(("step", deltas, engine.stats()))
+        while not stopped:
+            deltas = served.turn(take_commands)
+            if deltas is not None:
+                conn.send(Step(deltas, engine.stats()))
     except EOFError:
         return  # the API process is gone: nobody to serve
     except BaseException as error:  # noqa: BLE001 - told to the API process, which fails every caller
         log.exception("the engine core stopped")
-        conn.send(("dead", repr(error)))
+        conn.send(Dead(repr(error)))
         raise SystemExit(1) from error
 
 
-def _apply(engine: Engine, command: tuple, cursors: dict[str, DeltaCursor], max_waiting: int | None,
-           conn: Connection) -> None:
+def _apply(served: EngineLoop, command: Add | Abort, conn: Connection) -> None:
     """One command from the API process; a caller's error (a full queue, a pool too small) goes back to it."""
-    kind, number, *args = command
     result, error = None, None
     try:
-        if kind == "add":
-            ids, params, request_id = args
-            if (why := overloaded(engine.scheduler, max_waiting)) is not None:
-                raise EngineOverloaded(why)
-            result = engine.add_request(ids, params, request_id)
-            cursors[result] = DeltaCursor(stop_hold_back(params))
-        else:  # "abort": False when it had finished already
-            result = cursors.pop(args[0], None) is not None
-            if result:
-                engine.abort(args[0])
+        if isinstance(command, Add):
+            result = served.add(command.prompt, command.params, command.request_id)
+        else:  # Abort: False when it had finished already
+            result = served.abort(command.request_id)
     except (ValueError, EngineOverloaded) as caught:
         error = caught
-    if number is not None:
-        conn.send(("answer", number, result, error))
+    if command.number is not None:
+        conn.send(Answer(command.number, result, error))

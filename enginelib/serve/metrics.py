@@ -9,13 +9,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from enginelib.core.outputs import StreamDelta
-from enginelib.serve.async_engine import AsyncEngine
+from enginelib.serve.engine_client import EngineClient
 
 
 class _EngineCollector:
     """Gauges and counters read from the engine loop's latest snapshot when /metrics is scraped."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self):
@@ -45,7 +45,7 @@ class _EngineCollector:
 class ServerMetrics:
     """The server's Prometheus registry: the engine's state, plus latency histograms of finished requests."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:

@@ -43,7 +43,6 @@ Where the timing chose plain linears, the frozen graph keeps them too and induct
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import time
 from collections import Counter
@@ -55,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import enginelib.env as env
 from enginelib.config import CompileConfig
 from enginelib.model.device import unpack_linears
 from enginelib.model.transformer import Transformer, attention_mask
@@ -73,7 +73,7 @@ def compile_unavailable(device: torch.device | str) -> str | None:
     """
     device = torch.device(device)
     if device.type == "cpu":
-        cxx = os.environ.get("CXX") or "c++"
+        cxx = env.cxx("c++") or "c++"  # an empty $CXX too
         if shutil.which(cxx) is None and shutil.which("g++") is None and shutil.which("clang++") is None:
             return ("torch.compile on a CPU needs a C++ compiler and none was found (tried $CXX, c++, g++, clang++): "
                     "install one (Debian/Ubuntu: apt-get install g++; macOS: xcode-select --install) or set $CXX")

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import platform
 import shutil
 import subprocess
@@ -68,6 +67,8 @@ import sysconfig
 from pathlib import Path
 
 import torch
+
+import enginelib.env as env
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("linear.cpp", "q8.cpp", "attention.cpp")  # compiled, in csrc/
@@ -111,7 +112,7 @@ def _supported_cpu() -> bool:
 
 def compiler() -> str:
     """The C++ compiler torch's extension builder will call (``$CXX``, else ``c++``)."""
-    return os.environ.get("CXX", "c++")
+    return env.cxx("c++")
 
 
 def _missing_tool() -> str | None:
@@ -412,7 +413,7 @@ def q8_path_number(path: str | int | None = None) -> int:
     they are prepared, and pass the number: a compiled step then reads no environment. A number passes as is."""
     if isinstance(path, int):
         return path
-    path = path or os.environ.get("ENGINELIB_Q8_PATH") or None
+    path = path or env.q8_path()
     if path is None:
         return -1
     _check(path in q8_paths(), f"the q8 kernels' path {path!r} is not built on this CPU (built: "

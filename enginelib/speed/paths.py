@@ -24,8 +24,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-STRICT_ENV = "ENGINELIB_STRICT_PATHS"
-LOG_ENV = "ENGINELIB_PATHS_LOG"
+import enginelib.env as env
 
 
 class FallbackError(RuntimeError):
@@ -53,7 +52,7 @@ _section: list[str] = [""]  # a stack: the innermost section names new events
 def strict() -> bool:
     """Whether ``$ENGINELIB_STRICT_PATHS`` asks fallbacks from explicitly requested paths to raise (read each time,
     so a test or a notebook can set it late)."""
-    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return env.strict_paths()
 
 
 def _record(what: str, requested: str, ran: str, why: str, fallback: bool) -> None:
@@ -63,7 +62,7 @@ def _record(what: str, requested: str, ran: str, why: str, fallback: bool) -> No
     _seen.add(key)
     event = PathEvent(*key)
     _events.append(event)
-    log = os.environ.get(LOG_ENV)
+    log = env.paths_log()
     if log:
         with open(log, "a", encoding="utf-8") as f:  # one short line per event: appends from processes stay whole
             f.write(json.dumps(asdict(event)) + "\n")
@@ -80,7 +79,7 @@ def fell_back(what: str, requested: str, ran: str, why: str, *, explicit: bool =
     ``$ENGINELIB_STRICT_PATHS=1``, this raises :class:`FallbackError` after recording it."""
     _record(what, requested, ran, why, True)
     if explicit and strict():
-        raise FallbackError(f"{what}: asked for {requested}, would run {ran}: {why} (${STRICT_ENV} is set)")
+        raise FallbackError(f"{what}: asked for {requested}, would run {ran}: {why} (${env.STRICT_PATHS} is set)")
 
 
 @contextmanager
@@ -122,5 +121,5 @@ def read_log(path: str | os.PathLike) -> list[PathEvent]:
     return list(found)
 
 
-__all__ = ["FallbackError", "LOG_ENV", "PathEvent", "STRICT_ENV", "clear", "events", "fallbacks", "fell_back",
-           "ran", "read_log", "section", "strict"]
+__all__ = ["FallbackError", "PathEvent", "clear", "events", "fallbacks", "fell_back", "ran", "read_log", "section",
+           "strict"]
