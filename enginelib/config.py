@@ -241,7 +241,7 @@ class CompileConfig:
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     mode: str | None = None       # torch.compile's mode: None (its default) or e.g. "reduce-overhead" (CUDA graphs)
     # CPU: the weights become graph constants (folded, pre-packed for oneDNN, not ~430 arguments each step): faster
-    # steps, and faster compiling with cpp_wrapper; with the Python wrapper a 135M bucket compiles in ~65 s, not ~25 s
+    # steps, and faster compiling with cpp_wrapper (how much depends on the machine and torch: chapter 14 times one)
     freeze: bool = False
     # CPU: the step's ~300 kernel calls made in C++, not Python: a few ms less a step at batch 1, a minute more to build
     cpp_wrapper: bool = False

@@ -1,7 +1,7 @@
 """Decode without Python overhead: the model step compiled once per batch size, with ``torch.compile``.
 
-An eager decode step runs about thirty small operators per layer, each a
-Python call that dispatches a kernel. ``torch.compile`` traces the step once,
+An eager decode step makes about eighty calls into PyTorch per layer (chapter 14
+counts them), many of them dispatching a kernel. ``torch.compile`` traces the step once,
 fuses what it can (norms, RoPE, SwiGLU, residuals) and, on a CPU, can let
 inductor freeze the weights (``freeze=True``: constants of the graph, pre-packed
 for oneDNN's matmul, no longer passed on every call); on a GPU the fused
