@@ -103,11 +103,14 @@ def test_abort_mid_flight_frees_blocks_and_spares_the_others(real, reference, pr
     engine = Engine(model, tok)
     keep = engine.add_request(chat_ids(tok, QUESTIONS[2]), GREEDY)
     drop = engine.add_request(chat_ids(tok, QUESTIONS[5]), GREEDY)
+    sent = ""  # what the aborted request's deltas carried
     for _ in range(3):
-        engine.step()
+        sent += "".join(d.text for d in engine.step_deltas() if d.request_id == drop)
     out = engine.abort(drop)
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert len(out.outputs[0].token_ids) == 3
+    last, = [d for d in engine.step_deltas() if d.request_id == drop]  # the next step tells streams too
+    assert last.finished and last.finish_reason == "abort" and sent + last.text == out.outputs[0].text
     while engine.has_unfinished_requests():
         engine.step()
     agree(model, prompts[2:3], [engine.request(keep).output_token_ids], reference[2:3])

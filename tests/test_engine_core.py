@@ -124,3 +124,26 @@ def test_a_dead_core_fails_every_caller():
         assert not core.is_running
     finally:
         core.shutdown()
+
+
+def test_a_prompt_is_checked_once(real, monkeypatch):
+    """The caller's side checks a prompt (a 400 before the engine is touched); the engine queues the CheckedPrompt
+    as it is, and refuses one paired with other params. Offline, Engine.add_request checks what it is given."""
+    import enginelib.core.prompt as request_module
+    calls = []
+    check = request_module.check_request
+    monkeypatch.setattr(request_module, "check_request", lambda *args: calls.append(args) or check(*args))
+    engine = Engine(*real, EngineConfig(num_blocks=16))
+    client = AsyncEngine(engine, threads=1)
+    try:
+        text = asyncio.run(_text(client, PROMPTS[0], SamplingParams(temperature=0, max_tokens=4)))
+    finally:
+        client.shutdown()
+    assert text and len(calls) == 1, calls
+    cfg = engine.model.cfg
+    checked = request_module.check_prompt(PROMPTS[0], SamplingParams(), real[1], cfg.vocab_size, cfg.context_length)
+    with pytest.raises(ValueError, match="carries its own params"):
+        engine.add_request(checked, SamplingParams())
+    assert engine.add_request(checked) and len(calls) == 2  # check_prompt's own call; add_request made none
+    engine.add_request(PROMPTS[1])
+    assert len(calls) == 3

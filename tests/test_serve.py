@@ -462,7 +462,7 @@ def test_async_engine_error_reaches_callers(real):
 
     def broken():
         raise RuntimeError("CUDA error: device-side assert (simulated)")
-    engine.engine.step = broken
+    engine.engine.step_deltas = broken
 
     async def main():
         with pytest.raises(EngineDead, match="simulated"):

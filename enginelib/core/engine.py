@@ -16,12 +16,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch.profiler import record_function
 
-from enginelib.config import EngineConfig, SamplingParams, SchedulerConfig, as_token_ids, check_request, stop_hold_back
+from enginelib.config import EngineConfig, SamplingParams, SchedulerConfig
 from enginelib.core.block_pool import BlockPool, PoolStats
 from enginelib.core.kv_manager import KVCacheManager, PrefixCacheStats
 from enginelib.core.output_processor import OutputProcessor
-from enginelib.core.outputs import DeltaCursor, RequestMetrics, RequestOutput, StreamDelta
+from enginelib.core.outputs import RequestMetrics, RequestOutput, StreamDelta
 from enginelib.core.paged_cache import PagedKVCache
+from enginelib.core.prompt import CheckedPrompt, check_prompt
 from enginelib.core.record import StepRecord, snapshot
 from enginelib.core.request import Request, RequestStatus
 from enginelib.core.runner import ModelRunner, SpecStats
@@ -62,7 +63,6 @@ class Engine:
         self.history: list[StepRecord] = []
         self.steps = 0
         self._next_id = 0
-        self._aborted: list[RequestOutput] = []  # returned by the next step
 
     @property
     def cache(self) -> PagedKVCache:
@@ -85,20 +85,25 @@ class Engine:
                              f"({config.block_size * cfg.kv_bytes_per_token(dtype)} bytes): give it more memory")
         return num_blocks
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | CheckedPrompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a request (text or token ids); it joins the running batch at a later step."""
-        params = SamplingParams() if params is None else params
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
-        check_request(ids, params, self.model.cfg.vocab_size, self.model.cfg.context_length)
+        """Queue a request (text or token ids, checked here; or a :class:`CheckedPrompt`, which carries its params and
+        was checked already); it joins the running batch at a later step."""
+        if isinstance(prompt, CheckedPrompt):
+            if params is not None and params is not prompt.params:
+                raise ValueError("a CheckedPrompt carries its own params: pass params=None")
+            checked = prompt
+        else:
+            checked = check_prompt(prompt, SamplingParams() if params is None else params, self.tokenizer,
+                                   self.model.cfg.vocab_size, self.model.cfg.context_length)
+        ids, params = checked.token_ids, checked.params
         numbered = request_id is None
         while numbered and str(self._next_id) in self.output.live:  # skip ids the caller chose
             self._next_id += 1
         request_id = str(self._next_id) if numbered else str(request_id)
         if request_id in self.output.live:
             raise ValueError(f"request id {request_id!r} is already in use: pick another")
-        request = Request(request_id, ids, params, prompt=prompt if isinstance(prompt, str) else None,
-                          metrics=RequestMetrics(time.perf_counter()))
+        request = Request(request_id, ids, params, prompt=checked.text, metrics=RequestMetrics(time.perf_counter()))
         self.structured.add(request_id, params.structured_output)  # compiled (or refused) before anything else
         self.runner.add(request_id, params)  # its generator first: nothing reaches the scheduler half-made
         try:
@@ -117,9 +122,7 @@ class Engine:
         self.scheduler.finish(request, "abort")
         self.runner.release(request_id)
         self.structured.release(request_id)
-        out = self.output.abort(request, time.perf_counter())
-        self._aborted.append(out)
-        return out
+        return self.output.abort(request, time.perf_counter())  # its last output comes with the next step too
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -135,20 +138,26 @@ class Engine:
         """The scheduler's record of a request: an unfinished one, or one of the last to end."""
         return self.output.request(request_id)
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that moved (and any just aborted)."""
+        return self._step(deltas=False)
+
+    def step_deltas(self) -> list[StreamDelta]:
+        """Run one step; return each request's text and tokens new since its last delta (what a stream sends)."""
+        return self._step(deltas=True)
+
+    @torch.inference_mode()
+    def _step(self, deltas: bool) -> list[RequestOutput] | list[StreamDelta]:
         drafts = None
         if self.runner.proposer is not None:
             with record_function("propose"):
                 drafts, failed = self.runner.propose(self.scheduler.running)
             for request, error in failed:  # its proposer failed: it ends alone, its output comes this step
                 self._fail(request, error)
-                self._aborted.append(self.output.abort(request, time.perf_counter()))
+                self.output.abort(request, time.perf_counter())
         with record_function("schedule"):  # named phases show up in torch.profiler (chapter 8)
             plan = self.scheduler.schedule(drafts)
         scheduled_time = time.perf_counter()
-        outputs, self._aborted = self._aborted, []
         if not plan.is_empty:
             tokens, failed = self.runner.execute(plan)
             for request, error in failed:
@@ -158,7 +167,8 @@ class Engine:
             if self.structured.grammars:
                 with record_function("grammar"):
                     self._follow_grammars(plan)
-        outputs += self.output.process(plan, scheduled_time, time.perf_counter(), self.scheduler.stop, self._fail)
+        outputs = self.output.process(plan, scheduled_time, time.perf_counter(), self.scheduler.stop, self._fail,
+                                       deltas)
         ended = [out.request_id for out in outputs if out.finished]
         for request_id in ended:
             self.runner.release(request_id)
@@ -196,16 +206,9 @@ class Engine:
         self.output.fail(request, f"{type(error).__name__}: {error}")
 
     def stream(self) -> Iterator[StreamDelta]:
-        """Step until every request is done, yielding each request's new text as it comes; what a :class:`DeltaCursor`
-        holds back (a partial character, a stop string's possible start) comes later."""
-        cursors: dict[str, DeltaCursor] = {}
-        while self.has_unfinished_requests() or self._aborted:
-            for out in self.step():
-                if out.request_id not in cursors:
-                    cursors[out.request_id] = DeltaCursor(stop_hold_back(self.request(out.request_id).params))
-                yield cursors[out.request_id].delta(out)
-                if out.finished:
-                    del cursors[out.request_id]
+        """Step until every request is done, yielding each request's new text as it comes (:meth:`step_deltas`)."""
+        while self.has_unfinished_requests() or self.output.leaving:
+            yield from self.step_deltas()
 
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestStatus", "SchedulerConfig", "StepRecord"]

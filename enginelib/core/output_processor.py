@@ -1,14 +1,15 @@
 """The output processor: from new token ids to what a caller sees. Each request's text is detokenized one token at a
 time and searched for stop strings in its new characters (one completed by the token that reaches ``max_tokens`` still
-ends the text there, with ``finish_reason="stop"``, as in vLLM); the scheduler is asked to stop the request."""
+ends the text there, with ``finish_reason="stop"``, as in vLLM); the scheduler is asked to stop the request. A caller
+gets each request's whole output so far, or its delta: what is new since the last (one :class:`DeltaCursor` each)."""
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from enginelib.config import stop_hold_back
-from enginelib.core.outputs import CompletionOutput, RequestOutput
+from enginelib.core.outputs import CompletionOutput, DeltaCursor, RequestOutput, StreamDelta
 from enginelib.core.request import Request
 from enginelib.core.scheduler import SchedulerOutput
 from enginelib.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -23,6 +24,7 @@ class _Live:
     detokenizer: IncrementalDetokenizer
     num_seen: int = 0  # output tokens already detokenized
     error: str | None = None  # why it failed (finish_reason "error")
+    cursor: DeltaCursor = field(default_factory=DeltaCursor)  # what its deltas have sent so far
 
 
 class OutputProcessor:
@@ -30,12 +32,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.live: dict[str, _Live] = {}                          # unfinished requests
         self.finished: OrderedDict[str, Request] = OrderedDict()  # the last KEEP_FINISHED that ended
+        self.leaving: list[_Live] = []  # aborted since the last step: their last outputs come with the next
         self.num_finished = self.num_generated = self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.finished.pop(request.request_id, None)  # an id may be used again once its request is done
         self.live[request.request_id] = _Live(request, IncrementalDetokenizer(
-            self.tokenizer, request.params.skip_special_tokens))
+            self.tokenizer, request.params.skip_special_tokens), cursor=DeltaCursor(stop_hold_back(request.params)))
 
     def request(self, request_id: str) -> Request:
         """An unfinished request, or one of the last KEEP_FINISHED to end."""
@@ -47,13 +50,16 @@ class OutputProcessor:
                          "(keep the RequestOutput that step() returned when it finished)")
 
     def process(self, plan: SchedulerOutput, scheduled_time: float, now: float, stop: Callable[[Request, int], None],
-                fail: Callable[[Request, Exception], None]) -> list[RequestOutput]:
-        """The outputs of every request that sampled this step (after ``Scheduler.update``). ``stop(request, n)`` ends a
-        request after ``n`` output tokens (a stop string); ``fail(request, error)`` one whose text raised."""
+                fail: Callable[[Request, Exception], None],
+                deltas: bool = False) -> list[RequestOutput] | list[StreamDelta]:
+        """The outputs of every request that sampled this step (after ``Scheduler.update``) and of those aborted since
+        the last: each whole so far, or with ``deltas`` only what is new since its last delta. ``stop(request, n)``
+        ends a request after ``n`` output tokens (a stop string); ``fail(request, error)`` one whose text raised."""
+        outputs = [self.emit(live, deltas) for live in self.leaving]
+        self.leaving = []
         self.num_preemptions += len(plan.preempted)
         for request in plan.preempted:
             request.metrics.num_preemptions += 1
-        outputs = []
         for work in plan.scheduled:
             metrics = work.request.metrics
             if work.admitted:
@@ -67,7 +73,7 @@ class OutputProcessor:
                 self._new_tokens(live, now, stop)
             except Exception as error:  # noqa: BLE001 - this request's text: it fails alone, the others go on
                 fail(work.request, error)
-            outputs.append(self.output(live))
+            outputs.append(self.emit(live, deltas))
             if work.request.is_finished:
                 self._forget(live, now)
         return outputs
@@ -110,11 +116,11 @@ class OutputProcessor:
         live.error = live.error or message
 
     def abort(self, request: Request, now: float) -> RequestOutput:
-        """An aborted request's last output; it leaves the live set."""
+        """An aborted request's last output; it leaves the live set, and the next step's outputs carry it too."""
         live = self.live[request.request_id]
-        out = self.output(live)
         self._forget(live, now)
-        return out
+        self.leaving.append(live)
+        return self.output(live)
 
     def _forget(self, live: _Live, now: float) -> None:
         """A finished request leaves the per-step state; counters and a bounded record remain."""
@@ -125,6 +131,10 @@ class OutputProcessor:
         if len(self.finished) > KEEP_FINISHED:
             self.finished.popitem(last=False)
         self.num_finished += 1
+
+    def emit(self, live: _Live, delta: bool) -> RequestOutput | StreamDelta:
+        """A request's output, or its delta: the text and tokens new since the last (one cursor per request)."""
+        return live.cursor.delta(self.output(live)) if delta else self.output(live)
 
     @staticmethod
     def output(live: _Live) -> RequestOutput:

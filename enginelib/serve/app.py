@@ -30,8 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from enginelib.core.llm import fan_out
-from enginelib.serve.engine_client import (EngineClient, EngineDead, EngineOverloaded, RequestStream,
-                                           refuse_long_text)
+from enginelib.core.prompt import refuse_long_text
+from enginelib.serve.engine_client import EngineClient, EngineDead, EngineOverloaded, RequestStream
 from enginelib.serve.guard import Guard
 from enginelib.serve.guided import guided_field
 from enginelib.serve.metrics import ServerMetrics

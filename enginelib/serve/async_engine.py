@@ -28,9 +28,10 @@ from typing import Any
 from enginelib.config import SamplingParams
 from enginelib.core.engine import Engine, EngineStats
 from enginelib.core.outputs import StreamDelta
+from enginelib.core.prompt import CheckedPrompt, check_prompt
 from enginelib.model.device import set_threads
 from enginelib.serve.engine_client import (EngineDead, RequestStream, Subscriber, Subscribers, check_max_waiting,
-                                           checked_prompt, generate_deltas, overload)
+                                           generate_deltas, overload)
 from enginelib.serve.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,9 @@ class AsyncEngine:
         queued, so a server can answer 400 before it starts a streamed response.
         """
         params = SamplingParams() if params is None else params
-        ids = checked_prompt(prompt, params, self.tokenizer, self.vocab_size, self.context_length)
+        checked = check_prompt(prompt, params, self.tokenizer, self.vocab_size, self.context_length)
         subscriber = Subscriber.here()
-        request_id = await self._call(self._add, ids, params, request_id, subscriber)
+        request_id = await self._call(self._add, checked, request_id, subscriber)
         return RequestStream(request_id, subscriber.queue, self._close)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -123,8 +124,8 @@ class AsyncEngine:
 
     # --- the loop thread -------------------------------------------------------------------
 
-    def _add(self, prompt: list[int], params: SamplingParams, request_id: str | None, subscriber: Subscriber) -> str:
-        request_id = self._engine_loop.add(prompt, params, request_id)
+    def _add(self, prompt: CheckedPrompt, request_id: str | None, subscriber: Subscriber) -> str:
+        request_id = self._engine_loop.add(prompt, request_id)
         self._subscribers.add(request_id, subscriber)  # before the next step: its first delta finds its subscriber
         return request_id
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from enginelib.config import SamplingParams
+    from enginelib.core.prompt import CheckedPrompt
     from enginelib.core.engine import EngineStats
     from enginelib.core.outputs import StreamDelta
     from enginelib.model.tokenizer import Tokenizer
@@ -20,8 +20,7 @@ class Add:
     """Queue a checked prompt; answered (:class:`Answer` ``number``) with its request id, or the error."""
 
     number: int
-    prompt: list[int]
-    params: SamplingParams
+    prompt: CheckedPrompt  # its token ids and params, checked in the API process: the core does not check again
     request_id: str | None
 
 

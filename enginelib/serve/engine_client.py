@@ -3,7 +3,7 @@
 :class:`~enginelib.serve.async_engine.AsyncEngine` runs the engine in a thread of the server's process and
 :class:`~enginelib.serve.engine_core.EngineCoreClient` in a process of its own; the app cannot tell them apart.
 What both share lives here, so neither borrows the other's insides: the errors a caller sees, a request's
-stream of deltas, the prompt checks made before anything is queued, the overload rule, and the hand-off of
+stream of deltas, the overload rule, and the hand-off of
 deltas from the thread that receives them to each caller's event loop.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from enginelib.config import SamplingParams, as_token_ids, check_request
+from enginelib.config import SamplingParams
 from enginelib.core.outputs import StreamDelta
 
 if TYPE_CHECKING:
@@ -177,26 +177,6 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: An
     """Schedule ``fn`` on ``loop`` from another thread; a closed loop's caller is gone and gets nothing."""
     if not loop.is_closed():
         loop.call_soon_threadsafe(fn, *args)
-
-
-def checked_prompt(prompt: str | list[int], params: SamplingParams, tokenizer: Tokenizer, vocab_size: int,
-                   context_length: int) -> list[int]:
-    """The prompt's token ids, checked against the model (length, vocabulary) and ``params``: ``ValueError``
-    if the engine would refuse it, before it costs the engine anything."""
-    if isinstance(prompt, str) and isinstance(params, SamplingParams):
-        refuse_long_text(prompt, params.max_tokens, tokenizer, context_length)
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else as_token_ids(prompt)
-    check_request(ids, params, vocab_size, context_length)
-    return ids
-
-
-def refuse_long_text(text: str, max_tokens: int, tokenizer: Tokenizer, context_length: int) -> None:
-    """``ValueError`` for a text that cannot fit the context whatever its tokens: each token stands for at most
-    ``tokenizer.max_token_bytes`` bytes, so this costs a length, not a tokenization."""
-    fewest = -(-len(text.encode("utf-8", "surrogatepass")) // tokenizer.max_token_bytes)
-    if fewest + max_tokens > context_length:
-        raise ValueError(f"prompt (at least {fewest} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                         f"context of {context_length} tokens: shorten the prompt or lower max_tokens")
 
 
 def overload(waiting: int, running: int, max_num_seqs: int, max_waiting: int | None) -> str | None:

@@ -38,10 +38,11 @@ from typing import Any
 from enginelib.config import SamplingParams
 from enginelib.core.engine import Engine
 from enginelib.core.outputs import StreamDelta
+from enginelib.core.prompt import check_prompt
 from enginelib.model.device import set_threads
 from enginelib.serve.core_messages import Abort, Add, Answer, Dead, Failed, Ready, Step, Stop
 from enginelib.serve.engine_client import (EngineDead, EngineOverloaded, RequestStream, Subscriber, Subscribers,
-                                           check_max_waiting, checked_prompt, generate_deltas, overload)
+                                           check_max_waiting, generate_deltas, overload)
 from enginelib.serve.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,9 @@ class EngineCoreClient:
         """Tokenize and check the request here, then queue it in the core; bad input raises ``ValueError``
         before anything reaches the core."""
         params = SamplingParams() if params is None else params
-        ids = checked_prompt(prompt, params, self.tokenizer, self.vocab_size, self.context_length)
+        checked = check_prompt(prompt, params, self.tokenizer, self.vocab_size, self.context_length)
         subscriber = Subscriber.here()  # the core makes the deltas
-        request_id = await self._call(lambda number: Add(number, ids, params, request_id), subscriber)
+        request_id = await self._call(lambda number: Add(number, checked, request_id), subscriber)
         return RequestStream(request_id, subscriber.queue, self._close)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -249,7 +250,7 @@ def _apply(served: EngineLoop, command: Add | Abort, conn: Connection) -> None:
     result, error = None, None
     try:
         if isinstance(command, Add):
-            result = served.add(command.prompt, command.params, command.request_id)
+            result = served.add(command.prompt, command.request_id)
         else:  # Abort: False when it had finished already
             result = served.abort(command.request_id)
     except (ValueError, EngineOverloaded) as caught:

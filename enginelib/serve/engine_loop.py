@@ -3,15 +3,15 @@
 :class:`EngineLoop` owns one :class:`Engine` and is only ever touched by the one thread that runs it:
 :class:`~enginelib.serve.async_engine.AsyncEngine`'s loop thread, or the engine-core process's main thread. Both
 run the same turn (take the commands that came in, sleeping for one when idle, then step if there is work) and
-get the same deltas: each live request has its :class:`DeltaCursor`, made here and nowhere else.
+pass on the same deltas, which the engine's output processor makes (:meth:`Engine.step_deltas`).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from enginelib.config import SamplingParams, stop_hold_back
 from enginelib.core.engine import Engine
-from enginelib.core.outputs import DeltaCursor, StreamDelta
+from enginelib.core.outputs import StreamDelta
+from enginelib.core.prompt import CheckedPrompt
 from enginelib.serve.engine_client import EngineOverloaded, overload
 
 
@@ -21,33 +21,34 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, max_waiting: int | None) -> None:
         self.engine, self.max_waiting = engine, max_waiting
-        self._cursors: dict[str, DeltaCursor] = {}  # the live requests someone waits for
+        self._waited: set[str] = set()  # the live requests someone waits for
 
     @property
     def max_num_seqs(self) -> int:
         return self.engine.config.scheduler.max_num_seqs
 
-    def add(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> str:
+    def add(self, prompt: CheckedPrompt, request_id: str | None) -> str:
         """Queue a checked prompt; :class:`EngineOverloaded` past the waiting limit, ``ValueError`` from the engine.
         The queue is read live: a burst of adds between two steps counts in full."""
         scheduler = self.engine.scheduler
         why = overload(len(scheduler.waiting), len(scheduler.running), self.max_num_seqs, self.max_waiting)
         if why is not None:
             raise EngineOverloaded(why)
-        request_id = self.engine.add_request(prompt, params, request_id)
-        self._cursors[request_id] = DeltaCursor(stop_hold_back(params))
+        request_id = self.engine.add_request(prompt, request_id=request_id)
+        self._waited.add(request_id)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; False if it had finished (or been aborted) already: its blocks are free."""
-        if self._cursors.pop(request_id, None) is None:
+        if request_id not in self._waited:
             return False
+        self._waited.discard(request_id)
         self.engine.abort(request_id)
         return True
 
     def abort_all(self) -> None:
         """Abort every live request (a clean shutdown: their blocks go back)."""
-        for request_id in list(self._cursors):
+        for request_id in list(self._waited):
             self.abort(request_id)
 
     def turn(self, take_commands: Callable[[bool], bool]) -> list[StreamDelta] | None:
@@ -59,9 +60,6 @@ class EngineLoop:
             return None
         if not (busy or self.engine.has_unfinished_requests()):
             return None
-        deltas = []
-        for out in self.engine.step():
-            cursor = self._cursors.pop(out.request_id, None) if out.finished else self._cursors.get(out.request_id)
-            if cursor is not None:  # None: aborted, nobody waits for it
-                deltas.append(cursor.delta(out))
+        deltas = [delta for delta in self.engine.step_deltas() if delta.request_id in self._waited]  # not aborted
+        self._waited.difference_update(delta.request_id for delta in deltas if delta.finished)
         return deltas
