@@ -418,3 +418,23 @@ def test_triton_is_refused_for_a_dtype_the_gpu_lacks(monkeypatch):
     with pytest.raises(ValueError, match=no_bf16):
         choose_kernels("triton", weights, None, CUDA, dtype=torch.bfloat16)
     assert choose_kernels("triton", weights, None, CUDA, dtype=torch.float16)[("int8", (96, 64))].kernel == "triton"
+
+
+def test_the_whole_compiled_step_on_fake_cuda_waits_for_nothing(fake, on_cuda):
+    """The step a GPU's compiled decode runs with attention in the Triton kernel's operator, as one CUDA graph per
+    bucket captures it: every input on the device (tables padded to a fixed width, context lengths, the pools the
+    operator writes) and not one host sync anywhere in it (a capture fails on one)."""
+    from enginelib.speed import triton_kernels  # noqa: F401  (registers enginelib::triton_decode_attention)
+    from enginelib.speed.compiled import _GraphCache
+
+    model = on_cuda()
+    cfg = model.cfg
+    with fake, HostSyncs() as syncs:
+        k_pool, v_pool = (torch.empty(cfg.num_layers, 32, 4, cfg.num_kv_heads, cfg.head_dim, device=CUDA)
+                          for _ in range(2))
+        tables = torch.empty(4, 8, dtype=torch.long, device=CUDA)  # a bucket of 4 rows, 8 blocks wide
+        lens = torch.empty(4, dtype=torch.long, device=CUDA)
+        token_ids, positions = (torch.empty(4, dtype=torch.long, device=CUDA) for _ in range(2))
+        logits = model(token_ids, _GraphCache(tables, lens, k_pool, v_pool, "triton"), positions=positions)
+    assert logits.device.type == "cuda" and logits.shape[-1] == cfg.vocab_size
+    assert not syncs.events, syncs.events

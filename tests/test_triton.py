@@ -178,6 +178,39 @@ def test_an_engine_attending_in_triton_gives_the_default_engines_tokens(tiny_dt)
     assert run(True) == run(False)
 
 
+def test_a_compiled_step_calls_the_triton_kernel_from_its_graph(tiny_dt):
+    """The GPU's whole-step graph (issue 41), on a CPU under the interpreter: the compiled decode step holds the
+    Triton kernel as an operator of its graph (it writes the pools; tables and context lengths are inputs, padded
+    to a bucket), its path is recorded as such, and the engine's greedy tokens equal the eager engine's."""
+    from enginelib.config import CompileConfig, EngineConfig, SamplingParams
+    from enginelib.core.engine import Engine
+    from enginelib.speed import compiled, paths
+
+    model = tiny_dt.float()
+    tok = tiny_tokenizer(model.cfg.vocab_size)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(decoder: compiled.CompiledDecoder | None) -> list[list[int]]:
+        engine = Engine(model, tok, EngineConfig(num_blocks=32, block_size=4))
+        engine.runner.compiled = decoder
+        ids = [engine.add_request(p, greedy) for p in prompts]
+        while engine.has_unfinished_requests():
+            engine.step()
+        return [engine.request(i).output_token_ids for i in ids]
+
+    decoder = compiled.CompiledDecoder(model, CompileConfig(batch_sizes=(2, 4), cpp_wrapper=False),
+                                       fused_attention="triton")
+    assert decoder.kernel == "triton" and decoder.fused_attention
+    assert run(decoder) == run(None)
+    assert sum(decoder.calls.values()) >= 5, decoder.calls  # the decode steps ran in the graphs
+    assert any("our Triton decode kernel" in event.ran for event in paths.events()), paths.events()
+    guesses = Batch.build([SequenceWork([1, 2, 3], 5, [4, 7], num_draft=2)], 4)  # rows that read each other's keys
+    assert guesses.num_tokens == len(guesses.logits_indices) and not decoder.serves(guesses)  # eager, not raced
+    with pytest.raises(ValueError, match="names a kernel"):
+        compiled.CompiledDecoder(model, fused_attention="tpu")
+
+
 def test_the_runner_picks_one_decode_kernel_per_device():
     """One function decides: Triton on CUDA, C++ on a CPU in float32, a ValueError that says why elsewhere."""
     from enginelib.speed.factory import decode_attention_kernel

@@ -16,15 +16,19 @@ On a CPU, once dynamo has traced a bucket, the engine calls the compiled graph
 itself: the bucket fixes the shapes that dynamo's guards would check on every call.
 
 Attention is the one part the compiler must not see inside: which blocks a
-sequence reads changes every step. On a CPU in float32 it is our C++ decode
-kernel (:func:`enginelib.speed.cpu_kernels.decode_attention`: it writes the new K/V and
-reads keys through the block tables), called by the compiled code itself: the
+sequence reads changes every step. Where one of our fused decode kernels runs, it is that kernel: the C++
+one on a CPU in float32 (:func:`enginelib.speed.cpu_kernels.decode_attention`), the Triton one on a CUDA GPU
+(:func:`enginelib.speed.triton_kernels.decode_attention_op`); each writes the new K/V and reads keys through the
+block tables, called by the compiled code itself: the
 block tables, the context lengths and the cache's pools are inputs of the graph,
 the tables padded to a fixed width and padding rows given no keys, so one graph
-serves every step and no Python runs between the layers. A sequence verifying
+serves every step and no Python runs between the layers. Nothing in such a step reads a value on the host, so
+with ``mode="reduce-overhead"`` on a GPU one CUDA graph per bucket captures the whole step (vLLM's ``FULL``
+CUDA graphs), the cache's pools marked as static inputs that the graph writes in place. A sequence verifying
 guesses becomes one row per token, each with the sequence's block table and
-its own context length (its position + 1): the kernel writes every row's K/V
-before any row attends, so each guess sees the ones before it, causally.
+its own context length (its position + 1): the C++ kernel writes every row's K/V
+before any row attends, so each guess sees the ones before it, causally. (The Triton kernel's programs run in
+no set order, so with it verification steps run eagerly.)
 Elsewhere attention is an opaque custom operator, ``enginelib::paged_attend``, that is given
 everything it reads and writes, as the C++ kernel is: one layer's pools (which it writes the new K/V
 into, a mutation it declares), the slots, the block tables padded to the same fixed width, the step's
@@ -64,6 +68,34 @@ from enginelib.step.batch import Batch, SequenceWork, to_device
 
 RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 TRACING_RECOMPILE_LIMIT = 1024  # graphs per code object while a bucket traces: every decoder's buckets, all engines
+
+
+FUSED_KERNELS = ("cpp", "triton")
+
+
+def fused_kernel(device: torch.device | str, dtype: torch.dtype, asked: bool | str | None = None) -> str | None:
+    """The decode kernel a compiled step calls from its graph: "cpp" (ours, a CPU in float32), "triton" (ours, a
+    CUDA GPU, or a CPU under Triton's interpreter for tests), or None: the opaque :func:`paged_attend` operator.
+
+    ``asked``: None, the device's kernel where it runs; False, the operator; True, the device's kernel or a
+    ``ValueError`` saying why it cannot run; a kernel's name, that kernel or the error."""
+    device = torch.device(device)
+
+    def why_not(kernel: str) -> str | None:
+        if kernel == "cpp":
+            return cpu_kernels.unavailable(device, dtype)
+        from enginelib.speed import triton_kernels  # only where Triton is asked for or the device is a GPU
+        return triton_kernels.unavailable(device, dtype)
+
+    if asked is False:
+        return None
+    if isinstance(asked, str) and asked not in FUSED_KERNELS:
+        raise ValueError(f"fused_attention names a kernel of {FUSED_KERNELS}, got {asked!r}")
+    kernel = asked if isinstance(asked, str) else {"cpu": "cpp", "cuda": "triton"}.get(device.type)
+    reason = why_not(kernel) if kernel else f"no fused decode kernel runs on {device.type}"
+    if reason and asked is not None:
+        raise ValueError(f"fused_attention={asked!r} cannot run here: {reason}")
+    return None if reason else kernel
 
 
 def compile_unavailable(device: torch.device | str) -> str | None:
@@ -162,18 +194,20 @@ def token_tables(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class _GraphCache:
-    """What the traced model sees as its cache on a CPU in float32: the step's tables and the pools,
-    all inputs of the graph, and a call of our C++ decode kernel per layer (it writes the new K/V)."""
+    """What the traced model sees as its cache where a fused decode kernel runs: the step's tables and the
+    pools, all inputs of the graph, and a call of the kernel per layer (it writes the new K/V)."""
 
     block_tables: torch.Tensor  # [B, width], padded
     context_lens: torch.Tensor  # [B], 0 for the padding rows
     k: torch.Tensor             # the cache's pools, [layers, blocks, block_size, KV, D]
     v: torch.Tensor
+    kernel: str                 # "cpp" or "triton" (:func:`fused_kernel`)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.enginelib.decode_attention(
-            q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), self.k[layer], self.v[layer],
-            self.block_tables, self.context_lens)[None]
+        op = (torch.ops.enginelib.decode_attention if self.kernel == "cpp"
+              else torch.ops.enginelib.triton_decode_attention)
+        return op(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), self.k[layer], self.v[layer],
+                  self.block_tables, self.context_lens)[None]
 
 
 # --- the compiled decoder --------------------------------------------------------------------
@@ -322,10 +356,12 @@ class CompiledDecoder:
     """
 
     def __init__(self, model: Transformer, config: CompileConfig | None = None, *,
-                 fused_attention: bool | None = None, what: str = "compiled decode") -> None:
-        """``fused_attention``: None, our C++ kernel wherever it runs (a CPU in float32), else the opaque
-        :func:`paged_attend`; False asks for the operator anywhere (the GPU's path, tested on a CPU).
-        ``what``: the name its paths are recorded under (:mod:`enginelib.speed.paths`), e.g. "compiled draft"."""
+                 fused_attention: bool | str | None = None, what: str = "compiled decode") -> None:
+        """``fused_attention``: None, our fused decode kernel wherever one runs (:func:`fused_kernel`: C++ on a CPU
+        in float32, Triton on a CUDA GPU), else the opaque :func:`paged_attend`; False asks for the operator
+        anywhere; "triton" asks for the Triton kernel (on a CPU, the GPU's whole-step path under Triton's
+        interpreter, for tests). ``what``: the name its paths are recorded under (:mod:`enginelib.speed.paths`),
+        e.g. "compiled draft"."""
         self.config = config = config or CompileConfig()
         self.what = what
         reason = compile_unavailable(model.device)
@@ -337,13 +373,9 @@ class CompiledDecoder:
         if self.freeze and (packing is None or packing.pack):
             self.model = onednn_linears(self.model)  # else inductor's freezing packs the plain linears for MKL
         options = _options(config, model.device)
-        # on a CPU in float32, attention reads the paged cache in our C++ kernel (no gather, no mask, no SDPA call)
-        kernel_runs = cpu_kernels.unavailable(model.device, model.dtype) is None
-        if fused_attention and not kernel_runs:
-            raise ValueError(f"fused_attention needs enginelib's C++ kernels: "
-                             f"{cpu_kernels.unavailable(model.device, model.dtype)}")
-        self.fused_attention = kernel_runs if fused_attention is None else fused_attention
-        if self.fused_attention:
+        # where a fused kernel runs, attention reads the paged cache in it (no gather, no mask, no SDPA call)
+        self.kernel = fused_kernel(model.device, model.dtype, fused_attention)
+        if self.kernel == "cpp":
             cpu_kernels.load()  # the traced step calls the operator itself: built and registered first
         forward = self._forward_fused if self.fused_attention else self._forward
         # on a CPU, inductor through a backend that keeps what it builds, so that traced buckets can be called
@@ -365,7 +397,13 @@ class CompiledDecoder:
 
     def _forward_fused(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.model(token_ids, _GraphCache(block_tables, context_lens, k, v), positions=positions)[0]
+        cache = _GraphCache(block_tables, context_lens, k, v, self.kernel)
+        return self.model(token_ids, cache, positions=positions)[0]
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether attention runs in one of our fused decode kernels inside the graph (else :func:`paged_attend`)."""
+        return self.kernel is not None
 
     def table_width(self, cache: PagedPools) -> int:
         """The fixed width the block tables are padded to: the blocks of the longest possible sequence."""
@@ -376,7 +414,12 @@ class CompiledDecoder:
         return next((b for b in self.config.batch_sizes if b >= num_tokens), None)
 
     def serves(self, batch: Batch) -> bool:
-        """A step whose every token is sampled (decode, or verification of guesses) that fits a bucket."""
+        """A step whose every token is sampled (decode, or verification of guesses) that fits a bucket. With the Triton
+        kernel, decode only: its programs run in no set order, so a guess's row could read the keys of the guess before
+        it before that row's program has written them (the C++ kernel writes every row's first); verification runs
+        eagerly there."""
+        if self.kernel == "triton" and batch.num_tokens != batch.num_seqs:
+            return False
         return batch.num_tokens == len(batch.logits_indices) and self.bucket(batch.num_tokens) is not None
 
     def _tracing(self, size: int) -> AbstractContextManager:
@@ -428,7 +471,8 @@ class CompiledDecoder:
     def _record_paths(self, cudagraph_skips: int) -> None:
         """Record the compiled path a bucket's first call took: its attention, and on a GPU with CUDA graphs
         (``mode="reduce-overhead"``) whether inductor replays them or skipped them, which it only logs."""
-        attention = "our C++ decode kernel" if self.fused_attention else "the paged_attend operator"
+        kernels = {"cpp": "our C++ decode kernel", "triton": "our Triton decode kernel"}
+        attention = kernels.get(self.kernel, "the paged_attend operator")
         paths.ran(self.what, f"{self.requested}, attention in {attention}" + (", frozen" if self.freeze else ""),
                   requested=self.requested)
         if not self.cuda_graphs:
@@ -437,7 +481,8 @@ class CompiledDecoder:
             paths.fell_back("CUDA graphs", f"mode={self.config.mode}", "no CUDA graphs",
                             "inductor skipped CUDA graphs for this step's graph (TORCH_LOGS=cudagraphs says why)")
         else:
-            paths.ran("CUDA graphs", "inductor's CUDA graphs, replayed between the attention calls",
+            paths.ran("CUDA graphs", "inductor's CUDA graphs, " + ("the whole step in one graph" if self.fused_attention
+                                                                   else "replayed between the attention calls"),
                       requested=f"mode={self.config.mode}")
 
     @staticmethod
@@ -473,12 +518,14 @@ class CompiledDecoder:
         rows, lens = token_tables(batch)  # a table per token, padded to the fixed width: the graph's shapes are fixed
         tables = rows.new_zeros(size, self.table_width(cache))
         tables[:batch.num_tokens, :rows.shape[1]] = rows
+        if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
+            for pool in (cache.k, cache.v):  # the same tensors every step, written in place: the graphs keep them
+                torch._dynamo.mark_static_address(pool)
         if self.fused_attention:
             logits = self._run(size, (token_ids, positions, tables, F.pad(lens, (0, pad)), cache.k, cache.v))
         else:
             sizes = torch.tensor([batch.num_tokens, rows.shape[1]])  # on the host: read with no wait on a GPU
-            if self.cuda_graphs:  # a new step: the graphs may overwrite the last step's outputs
-                torch.compiler.cudagraph_mark_step_begin()
             logits = self._run(size, (token_ids, positions, F.pad(batch.slot_mapping, (0, pad)), tables, sizes,
                                       cache.k, cache.v))
         # a CUDA graph's output lives in its memory pool, which the next replay reuses: keep a copy

@@ -273,6 +273,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     return out
 
 
+
+@torch.library.custom_op("enginelib::triton_decode_attention", mutates_args=("k_pool", "v_pool"))
+def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_attention` as an operator a compiled step can hold (the C++ kernel's twin): it declares the pools
+    it writes and reads nothing on the host, so a CUDA graph captures it with the rest of the step."""
+    return decode_attention(q, k, v, k_pool, v_pool, block_tables, context_lens)
+
+
+@decode_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+      block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
 # ---------------------------------------------------------------- weight-only matmuls
 
 @_jit
