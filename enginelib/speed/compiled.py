@@ -159,7 +159,7 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v
 
 @dataclass
 class _OpaqueCache:
-    """What the traced model sees as its cache where the C++ kernel does not run: the step's slots, tables,
+    """What the traced model sees as its cache where no fused kernel runs: the step's slots, tables,
     mask and sizes and the pools, all inputs of the graph, and a call of :func:`paged_attend` per layer."""
 
     slot_mapping: torch.Tensor  # [P], the padding rows' never written
