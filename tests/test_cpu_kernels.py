@@ -105,6 +105,24 @@ def test_q8_kernels_multiply_the_rounded_activations_exactly(fmt, k, path):
             assert torch.equal(kernel(x[-1:], *args, path=path)[0], got[-1])
 
 
+@pytest.mark.parametrize("path", cpu_kernels.Q8_PATHS[1:])
+def test_simd_rounding_of_x_gives_the_plain_loops_codes(path):
+    """Every SIMD path rounds x to int8 with vector instructions, the plain path in a loop: the same codes and
+    scales. A one-hot weight (row n: code 1 at input n, scale 1) reads each code times its group's scale out
+    exactly, on groups that are all zero, negative, tiny, and on values halfway between two steps."""
+    path = built_q8_path(path)
+    k = 96
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(0))
+    x[1, :32] = 0  # a group with no scale
+    x[2] = -x[2].abs() * 1e-30
+    x[3, :32] = torch.arange(32) - 16.5  # halves, and amax 127: a scale of 1 keeps them halves (ties to even)
+    x[3, 31] = 127
+    eye = cpu_kernels.interleave(torch.eye(k, dtype=torch.int8).reshape(k, k // 32, 32))
+    args = (eye, torch.ones(k), k)
+    assert torch.equal(cpu_kernels.int8q8_linear(x, *args, path=path),
+                       cpu_kernels.int8q8_linear(x, *args, path="plain"))
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0"])
 def test_vnni_at_256_bits_gives_avx2s_bits(fmt):
     """vpdpbusd sums the same byte products into the same int32 as maddubs + madd (no int16 saturates: |w|, |x|

@@ -35,7 +35,7 @@ from enginelib.bench.memory import concurrency, kv_waste
 from enginelib.bench.quantization import int4_model, quant_effect
 from enginelib.bench.report import print_summary, print_table, progress, throughput_ratios
 from enginelib.bench.results import SystemResult, check_same_tokens, same_texts
-from enginelib.bench.roofline import decode_step_time, engine_decode_step_time, roofline_figures
+from enginelib.bench.roofline import decode_read_bytes, decode_step_time, engine_decode_step_time, roofline_figures
 from enginelib.bench.scheduling import chunked_prefill_effect, prefix_cache_effect
 from enginelib.bench.serving import refused_flood_effect, serve_args, serve_effect, split_cpus
 from enginelib.bench.spec_decode import spec_decode_effect
@@ -436,6 +436,15 @@ class _EngineSides:
     def fast_b32_step(self, batch: int, new_tokens: int) -> float:
         return engine_decode_step_time(self.fast32[0], self.tok, batch, new_tokens)[0]
 
+    def roofline(self, report: dict, section: dict) -> None:
+        """The fastest single stream against the bandwidth roof (the machine's read bandwidth, measured in the
+        core, over the bytes a step of the fast engine's model reads): ``fast_single_stream_roofline_frac``."""
+        tok_s, bandwidth = section.get("fast_single_stream_tok_per_s"), report.get("machine_read_bandwidth")
+        if tok_s is None or bandwidth is None:
+            return
+        roof = bandwidth / decode_read_bytes(self.fast[0].model)
+        section |= {"fast_single_stream_roofline_tok_per_s": roof, "fast_single_stream_roofline_frac": tok_s / roof}
+
 
 def _llama_cpp_section(args: argparse.Namespace, report: dict, tok: Tokenizer, peer: llama.Peer,
                        first: dict[str, SystemResult], sides: _EngineSides) -> None:
@@ -445,6 +454,7 @@ def _llama_cpp_section(args: argparse.Namespace, report: dict, tok: Tokenizer, p
         fast_format=sides.fast[1], fast_b32_step=sides.fast_b32_step, fast_b32_format=sides.fast32[1])
     section["engine_format"] = sides.engine_format
     section["cpu"] = report["machine"]["cpu_label"]
+    sides.roofline(report, section)
     if "engine" in first and llama.NAME in first:
         section |= llama.agreement(first["engine"], first[llama.NAME])
     report[llama.NAME] = section
@@ -469,6 +479,7 @@ def _llama_cpp_tools_section(args: argparse.Namespace, report: dict, tok: Tokeni
         report.setdefault("notes", []).append(f"llama.cpp's tools failed ({err}); the rest of the benchmark ran")
         print(f"bench: llama.cpp's tools failed: {err}", file=sys.stderr, flush=True)
         return
+    sides.roofline(report, section)
     report[tools.NAME] = base | section | {
         "format": llama.gguf_format(gguf), "engine_format": sides.engine_format,
         "fast_format": sides.fast[1], "fast_b32_format": sides.fast32[1]}

@@ -145,8 +145,10 @@ def print_summary(report: dict) -> None:
 def _fastest_lines(p: dict, theirs: str) -> None:
     """The engine at its fastest single stream and batch 32 against ``theirs``, where they were measured."""
     if p.get("fast_single_stream_ratio") is not None:
+        roof = (f", {p['fast_single_stream_roofline_frac']:.0%} of its bandwidth roofline"
+                if p.get("fast_single_stream_roofline_frac") is not None else "")
         print(f"  the engine at its fastest single stream ({p['fast_format']}): "
-              f"{p['fast_single_stream_tok_per_s']:.1f} tok/s ({p['fast_single_stream_ratio']:.2f}x {theirs})")
+              f"{p['fast_single_stream_tok_per_s']:.1f} tok/s ({p['fast_single_stream_ratio']:.2f}x {theirs}{roof})")
     if p.get("fast_decode_b32_ratio") is not None:
         print(f"  the engine at its fastest with 32 sequences ({p['fast_b32_format']}): "
               f"{p['fast_decode_b32_tok_per_s']:.1f} tok/s ({p['fast_decode_b32_ratio']:.2f}x {theirs})")

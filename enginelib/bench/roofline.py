@@ -7,6 +7,7 @@ import time
 import torch
 
 from enginelib.bench.hf import hf_single_stream
+from enginelib.bench.quality import weight_bytes
 from enginelib.bench.workloads import QUESTIONS, chat_prompt
 from enginelib.config import EngineConfig, SamplingParams, SchedulerConfig
 from enginelib.core.engine import Engine
@@ -53,6 +54,15 @@ def decode_flops_per_token(model: Transformer, context: int) -> float:
     return 2 * weights + 2 * attention
 
 
+def decode_read_bytes(model: Transformer) -> int:
+    """Weight bytes one decode step reads: all the model holds (:func:`quality.weight_bytes`, quantized layers
+    as stored) but the embedding table, of which a token reads one row, unless the table is also the LM head
+    (tied and not quantized), which reads it whole. Bandwidth over this is the single stream's roof."""
+    embed = model.embed_tokens.weight
+    head = getattr(model.lm_head, "weight", None)
+    return weight_bytes(model) - (0 if head is embed else embed.numel() * embed.element_size())
+
+
 def decode_step_time(model: Transformer, tok: Tokenizer, batch: int, new_tokens: int,
                      decode_kernel: bool = False) -> tuple[float, int]:
     """Median time of pure decode steps with ``batch`` running requests, and their mean context
@@ -93,8 +103,7 @@ def roofline_figures(model: Transformer, tok: Tokenizer, hf, device: torch.devic
     bandwidth = read_bandwidth(device)
     step, context = decode_step_time(model, tok, 32, 8 if quick else 32)
     mfu = 32 * decode_flops_per_token(model, context) / step / peak
-    weight_bytes = model.num_parameters() * model.dtype.itemsize
-    roof_tok_s = bandwidth / weight_bytes
+    roof_tok_s = bandwidth / decode_read_bytes(model)
     single, _ = decode_step_time(model, tok, 1, 16 if quick else 64)
     hf_single = hf_single_stream(hf, tok, device, 16 if quick else 64) if hf is not None else None
     return {"machine_peak_flops": peak, "machine_read_bandwidth": bandwidth,

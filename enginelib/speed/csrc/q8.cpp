@@ -9,8 +9,45 @@ namespace {
 // Each row's groups of 32 as int8 codes qx and one float scale dx (x ~ qx * dx, |qx| <= 127), and the
 // sum of the *rounded* group, dx * sum(qx), for int4's minimum term: both terms then multiply the same
 // rounded x, whose error meets the zero-centred weight (c * s + m), not the all-positive codes c alone.
-// (GGUF's Q8_1 blocks keep the same sum.) The SIMD and plain paths share these codes.
-void quantize_x(const float* x, int8_t* qx, float* dx, float* xsum, int64_t groups) {
+// (GGUF's Q8_1 blocks keep the same sum.) The plain path rounds in a loop, the others with SIMD, to the same bits.
+#ifdef __AVX2__
+// quantize_x's loop for one group, 8 floats an instruction, to the same bits: the same float products, rounded
+// to the nearest even as nearbyint does (the CPU's default mode), the same integer sum. The int32 -> int8
+// packs work within 128-bit halves; the permute puts the 4-byte pieces back in order.
+void quantize_group_simd(const float* xg, int8_t* qg, float* dx, float* xsum) {
+  __m256 v[4], amax = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm256_loadu_ps(xg + 8 * c);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[c], magnitude));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  __m256i q[4], sum = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    q[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(inv)));
+    sum = _mm256_add_epi32(sum, q[c]);
+  }
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  *dx = d;
+  *xsum = d * float(_mm_cvtsi128_si32(s));
+}
+#endif
+
+void quantize_x(const float* x, int8_t* qx, float* dx, float* xsum, int64_t groups, bool simd) {
+#ifdef __AVX2__
+  if (simd) {
+    for (int64_t g = 0; g < groups; ++g) quantize_group_simd(x + g * GROUP, qx + g * GROUP, dx + g, xsum + g);
+    return;
+  }
+#endif
   for (int64_t g = 0; g < groups; ++g) {
     const float* xg = x + g * GROUP;
     float amax = 0.f;
@@ -145,6 +182,57 @@ inline __m256i dot_u8_s8(__m256i u, __m256i s) {
 
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// Software prefetch, PREFETCH bytes (as many groups) ahead in each weight stream. At batch 1 a layer is read
+// once, straight from memory, in a few microseconds: the hardware prefetcher starts each call's streams cold
+// and stops at every 4 KiB page. So each thread asks for the first lines of its share at once (Int8Warm,
+// Int4Warm), then for the line PREFETCH bytes ahead of each one it reads (past a weight's end is harmless: a
+// prefetch never faults). On a 2-core EPYC the step's 121 matvecs ran ~10% faster.
+constexpr int64_t PREFETCH = 2048;
+
+inline void prefetch(const void* p, int64_t ahead) {
+  _mm_prefetch(static_cast<const char*>(p) + ahead, _MM_HINT_T0);
+}
+
+inline void warm(const void* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) prefetch(p, at);
+}
+
+// group g of a block: int8, its 4 rows' 128 bytes of codes (and, q8_0, 8 bytes of scales, a line every 8 groups)
+inline void prefetch_int8(const int8_t* wb, const uint16_t* gb, int64_t g) {
+  prefetch(wb + g * ROWS * GROUP, PREFETCH);
+  prefetch(wb + g * ROWS * GROUP, PREFETCH + 64);
+  if (gb && g % 8 == 0) prefetch(gb + g * ROWS, PREFETCH / 16);
+}
+
+// int4: 64 bytes of codes, and a line of scales and one of minimums every 8 groups
+inline void prefetch_int4(const uint8_t* cb, const uint16_t* sb, const uint16_t* mb, int64_t g) {
+  prefetch(cb + g * ROWS * 16, PREFETCH);
+  if (g % 8 == 0) {
+    prefetch(sb + g * ROWS, PREFETCH / 8);
+    prefetch(mb + g * ROWS, PREFETCH / 8);
+  }
+}
+
+// The first PREFETCH bytes of a thread's share of blocks b0:b1 (and as many groups of their scales)
+struct Int8Warm {
+  static void start(int64_t b0, int64_t b1, const int8_t*, const float*, const int8_t* q, const float*,
+                    const uint16_t* gs, float*, int64_t, int64_t K) {
+    const int64_t G = K / GROUP, bytes = std::min(PREFETCH, (b1 - b0) * G * ROWS * GROUP);
+    warm(q + b0 * G * ROWS * GROUP, bytes);
+    if (gs) warm(gs + b0 * G * ROWS, bytes / 16);
+  }
+};
+
+struct Int4Warm {
+  static void start(int64_t b0, int64_t b1, const int8_t*, const float*, const float*, const uint8_t* c,
+                    const uint16_t* s, const uint16_t* mn, float*, int64_t, int64_t K) {
+    const int64_t G = K / GROUP, bytes = std::min(PREFETCH, (b1 - b0) * G * ROWS * 16);
+    warm(c + b0 * G * ROWS * 16, bytes);
+    warm(s + b0 * G * ROWS, bytes / 8);
+    warm(mn + b0 * G * ROWS, bytes / 8);
+  }
+};
+
 // one group's 16 bytes -> its 32 codes (low nibbles: codes 0-15, high: 16-31)
 inline __m256i nibbles(const uint8_t* b) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
@@ -170,6 +258,7 @@ void int8q8_tile(const int8_t* qx, const float* dx, const int8_t* q, const float
     for (int j = 0; j < ROWS; ++j) acc[i][j] = _mm256_setzero_ps();
   alignas(16) float d[MR][ROWS];  // GROUPED: this group's scale x activation scale, per activation and output row
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_int8(wb, GROUPED ? group_scale + b * G * ROWS : nullptr, g);
     __m256i x[MR];
     __m256 dxi[MR];
     for (int i = 0; i < MR; ++i) {
@@ -209,6 +298,7 @@ void int4q8_tile(const int8_t* qx, const float* dx, const float* xsum, const uin
   }
   alignas(16) float d[MR][ROWS];  // this group's scale x activation scale, per activation row and output row
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_int4(cb, sb, mb, g);
     const __m128 s = halves4(sb + g * ROWS), mn = halves4(mb + g * ROWS);
     __m256i x[MR];
     for (int i = 0; i < MR; ++i) {
@@ -228,13 +318,13 @@ void int4q8_tile(const int8_t* qx, const float* dx, const float* xsum, const uin
     for (int i = 0; i < MR; ++i) y[(m0 + i) * N + b * ROWS + j] = hsum(acc[i][j]) + mo[i][j];
 }
 
-template <bool GROUPED, bool VNNI> struct Int8Q8Tile {
+template <bool GROUPED, bool VNNI> struct Int8Q8Tile : Int8Warm {
   template <int MR> static void run(const int8_t* qx, const float* dx, const int8_t* q, const float* s,
                                     const uint16_t* gs, float* y, int64_t N, int64_t K, int64_t m, int64_t b) {
     int8q8_tile<MR, GROUPED, VNNI>(qx, dx, q, s, gs, y, N, K, m, b);
   }
 };
-template <bool VNNI> struct Int4Q8Tile {
+template <bool VNNI> struct Int4Q8Tile : Int4Warm {
   template <int MR> static void run(const int8_t* qx, const float* dx, const float* xs, const uint8_t* c,
                                     const uint16_t* s, const uint16_t* mn, float* y, int64_t N, int64_t K,
                                     int64_t m, int64_t b) {
@@ -266,6 +356,7 @@ void int8q8_tile512(const int8_t* qx, const float* dx, const int8_t* q, const fl
   __m512 acc[MR][2];  // rows 0-1 and rows 2-3, 8 lanes a row
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_int8(wb, GROUPED ? group_scale + b * G * ROWS : nullptr, g);
     __m512i w[2], aw[2];
     __mmask64 neg[2];
     for (int h = 0; h < 2; ++h) {  // |w| as unsigned; its sign moves onto x (AVX-512 has no sign_epi8)
@@ -319,6 +410,7 @@ void int4q8_tile512(const int8_t* qx, const float* dx, const float* xsum, const 
     mins[i] = _mm_setzero_ps();
   }
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_int4(cb, sb, mb, g);
     const __m512i c = _mm512_loadu_si512(cb + g * ROWS * 16);  // 4 rows x 16 bytes: codes 0-15 low, 16-31 high
     const __m512i lo = _mm512_and_si512(c, low), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
     const __m512 s = spread(halves4(sb + g * ROWS), 4);
@@ -342,13 +434,13 @@ void int4q8_tile512(const int8_t* qx, const float* dx, const float* xsum, const 
   }
 }
 
-template <bool GROUPED> struct Int8Q8Tile512 {
+template <bool GROUPED> struct Int8Q8Tile512 : Int8Warm {
   template <int MR> static void run(const int8_t* qx, const float* dx, const int8_t* q, const float* s,
                                     const uint16_t* gs, float* y, int64_t N, int64_t K, int64_t m, int64_t b) {
     int8q8_tile512<MR, GROUPED>(qx, dx, q, s, gs, y, N, K, m, b);
   }
 };
-struct Int4Q8Tile512 {
+struct Int4Q8Tile512 : Int4Warm {
   template <int MR> static void run(const int8_t* qx, const float* dx, const float* xs, const uint8_t* c,
                                     const uint16_t* s, const uint16_t* mn, float* y, int64_t N, int64_t K,
                                     int64_t m, int64_t b) {
@@ -357,12 +449,13 @@ struct Int4Q8Tile512 {
 };
 #endif  // Q8_VNNI512
 
-// Blocks b0:b1, L1_BLOCKS at a time (their weights are read from memory once, then from L1 for each tile of
+// Blocks b0:b1 (their first lines asked for at once), L1_BLOCKS at a time (their weights are read from memory once, then from L1 for each tile of
 // activation rows), two activation rows a tile (the last row of an odd batch alone).
 constexpr int64_t L1_BLOCKS = 4;
 
 template <class Tile, typename... A>
 void q8_tiles(int64_t M, int64_t b0, int64_t b1, A... args) {
+  Tile::start(b0, b1, args...);
   for (int64_t c = b0; c < b1; c += L1_BLOCKS) {
     const int64_t c1 = std::min(c + L1_BLOCKS, b1);
     int64_t m = 0;
@@ -374,16 +467,21 @@ void q8_tiles(int64_t M, int64_t b0, int64_t b1, A... args) {
 }
 #endif  // __AVX2__
 
-// The q8 kernels: x rounded to int8 per group of 32 first (once per call, not per output row).
+// The q8 kernels: x rounded to int8 per group of 32 first (once per call, not per output row), into one
+// buffer: the int8 codes [M, K], then the scales and the sums, float32 [M, G] each (one allocation a call,
+// not three: a decode step makes 121 of these calls).
 struct RoundedX {
-  at::Tensor qx, dx, xsum;  // [M, K] int8, [M, G] float32 (scales), [M, G] float32 (sums)
-  explicit RoundedX(const at::Tensor& x) {
+  at::Tensor buffer;
+  int8_t* qx;
+  float *dx, *xsum;
+  RoundedX(const at::Tensor& x, bool simd) {
     const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
     TORCH_CHECK(K % GROUP == 0, "the q8 kernels need K to be a multiple of ", GROUP, ", got ", K);
-    qx = at::empty({M, K}, x.options().dtype(at::kChar));
-    dx = at::empty({M, G}, x.options());
-    xsum = at::empty({M, G}, x.options());
-    quantize_x(x.data_ptr<float>(), qx.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>(), M * G);
+    buffer = at::empty({M * K + 2 * M * G * int64_t(sizeof(float))}, x.options().dtype(at::kChar));
+    qx = buffer.data_ptr<int8_t>();
+    dx = reinterpret_cast<float*>(qx + M * K);  // M * K is a multiple of 32: the floats stay aligned
+    xsum = dx + M * G;
+    quantize_x(x.data_ptr<float>(), qx, dx, xsum, M * G, simd);
   }
 };
 
@@ -406,15 +504,15 @@ at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
               "scale must be contiguous float32 [", N, "] or float16 ", q.sizes().slice(0, 3));
   const int64_t M = x.size(0), K = q.size(1) * GROUP;
   check_x(x, K);
-  const RoundedX r(x);
+  const int64_t path = q8_path(asked);
+  const RoundedX r(x, path != PLAIN);
   at::Tensor y = at::empty({M, N}, x.options());
-  const int8_t* qx = r.qx.data_ptr<int8_t>();
-  const float* dx = r.dx.data_ptr<float>();
+  const int8_t* qx = r.qx;
+  const float* dx = r.dx;
   const int8_t* qp = q.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const float* sp = per_group ? nullptr : scale.data_ptr<float>();
   const uint16_t* gp = per_group ? reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()) : nullptr;
-  const int64_t path = q8_path(asked);
   at::parallel_for(0, q.size(0), block_grain(K), [&](int64_t b0, int64_t b1) {
     switch (path) {
 #ifdef Q8_VNNI512
@@ -451,16 +549,16 @@ at::Tensor int4q8_linear(const at::Tensor& x, const at::Tensor& codes, const at:
                 t->is_contiguous(), "scale and minimum must be contiguous float16 ", codes.sizes().slice(0, 3));
   const int64_t M = x.size(0), G = codes.size(1), K = G * GROUP;
   check_x(x, K);
-  const RoundedX r(x);
+  const int64_t path = q8_path(asked);
+  const RoundedX r(x, path != PLAIN);
   at::Tensor y = at::empty({M, N}, x.options());
-  const int8_t* qx = r.qx.data_ptr<int8_t>();
-  const float* dx = r.dx.data_ptr<float>();
-  const float* xs = r.xsum.data_ptr<float>();
+  const int8_t* qx = r.qx;
+  const float* dx = r.dx;
+  const float* xs = r.xsum;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  const int64_t path = q8_path(asked);
   at::parallel_for(0, codes.size(0), block_grain(K), [&](int64_t b0, int64_t b1) {
     switch (path) {
 #ifdef Q8_VNNI512
