@@ -173,9 +173,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t G = H / KV;
   at::parallel_for(0, S * H, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p;
-    std::vector<int64_t> rows;  // where sequence s's keys start in the pools, found once per task, not per
-    int64_t rows_of = -1;       // key and head (the division t / BS costs more than the key's arithmetic)
+    thread_local std::vector<float> p;  // each thread's, reused from call to call: no allocation a task
+    thread_local std::vector<int64_t> rows;  // where sequence s's keys start in the pools, found once per task,
+    int64_t rows_of = -1;  // not per key and head (the division t / BS costs more than the key's arithmetic)
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / H, kvh = (i % H) / G, len = lens[s];
       if (s != rows_of) {

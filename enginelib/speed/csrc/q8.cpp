@@ -467,19 +467,20 @@ void q8_tiles(int64_t M, int64_t b0, int64_t b1, A... args) {
 }
 #endif  // __AVX2__
 
-// The q8 kernels: x rounded to int8 per group of 32 first (once per call, not per output row), into one
-// buffer: the int8 codes [M, K], then the scales and the sums, float32 [M, G] each (one allocation a call,
-// not three: a decode step makes 121 of these calls).
+// The q8 kernels: x rounded to int8 per group of 32 first (once per call, not per output row), into the
+// calling thread's scratch buffer: the int8 codes [M, K], then the scales and the sums, float32 [M, G] each.
+// A decode step makes 121 of these calls; the buffer grows to the largest call's size and is reused: no allocation a
+// call. (The call's worker threads read it while the caller waits for them, so it outlives their reads.)
 struct RoundedX {
-  at::Tensor buffer;
   int8_t* qx;
   float *dx, *xsum;
   RoundedX(const at::Tensor& x, bool simd) {
     const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
     TORCH_CHECK(K % GROUP == 0, "the q8 kernels need K to be a multiple of ", GROUP, ", got ", K);
-    buffer = at::empty({M * K + 2 * M * G * int64_t(sizeof(float))}, x.options().dtype(at::kChar));
-    qx = buffer.data_ptr<int8_t>();
-    dx = reinterpret_cast<float*>(qx + M * K);  // M * K is a multiple of 32: the floats stay aligned
+    thread_local std::vector<float> scratch;  // floats, so the scales after the codes stay aligned
+    scratch.resize(std::max<size_t>(scratch.size(), M * K / 4 + 2 * M * G));  // M * K is a multiple of 32
+    qx = reinterpret_cast<int8_t*>(scratch.data());
+    dx = scratch.data() + M * K / 4;
     xsum = dx + M * G;
     quantize_x(x.data_ptr<float>(), qx, dx, xsum, M * G, simd);
   }
