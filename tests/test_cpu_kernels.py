@@ -278,6 +278,25 @@ def test_the_build_key_changes_with_the_compiler_python_and_torch(monkeypatch, t
     assert cpu_kernels.build_key(*base) not in changed and len(changed) == 5
 
 
+def test_compiled_graphs_are_keyed_by_our_operators_build_and_schemas():
+    """A graph inductor caches on disk is found again by a key that hashes its options, not our operators'
+    code or schemas: compiled's options carry both, so a graph built against another build is not reused."""
+    from enginelib.config import CompileConfig
+    from enginelib.speed.compiled import _options
+
+    if cpu_kernels.unavailable():
+        pytest.skip(cpu_kernels.unavailable())
+    keys = _options(CompileConfig(cpp_wrapper=True), torch.device("cpu"))["unsafe_marked_cacheable_functions"]
+    assert set(keys) == {f"torch.ops.enginelib.{name}" for name in cpu_kernels.OPERATORS}
+    assert len(set(keys.values())) == 1 and next(iter(keys.values())).startswith(cpu_kernels.build_dir().name)
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions=keys):  # the options inductor hashes
+        assert torch._inductor.config.save_config_portable()["unsafe_marked_cacheable_functions"] == keys
+    schema = "int4q8_linear(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int rows, int path=-1) -> Tensor"
+    older = schema.replace("int path=-1", "bool simd=True")  # a schema as it was before
+    key = cpu_kernels.graph_cache_key("b", [schema])
+    assert key != cpu_kernels.graph_cache_key("b", [older]) and key != cpu_kernels.graph_cache_key("c", [schema])
+
+
 def test_engine_batch_equals_each_request_alone(real_f32):
     """Bit-identical rows in any batch: the engine's batched greedy tokens are each request's own, exactly."""
     from enginelib.config import SamplingParams

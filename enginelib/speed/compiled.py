@@ -235,6 +235,8 @@ def _options(config: CompileConfig, device: torch.device) -> dict:
     options |= {"size_asserts": False, "alignment_asserts": False}
     if device.type == "cpu" and config.cpp_wrapper:
         options["cpp_wrapper"] = True
+    if cpu_kernels.unavailable(device) is None:  # our operators' build in the graphs' cache keys
+        options["unsafe_marked_cacheable_functions"] = cpu_kernels.graph_cache_keys()
     if options.get("triton.cudagraphs") and hasattr(torch._inductor.config, "graph_partition"):
         options["graph_partition"] = True  # replay graphs between the attention calls, not skip the whole step
     return options

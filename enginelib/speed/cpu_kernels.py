@@ -208,6 +208,27 @@ def _load() -> None:
         raise RuntimeError(reason)
 
 
+OPERATORS = ("int8_linear", "int4_linear", "int8q8_linear", "int4q8_linear", "decode_attention")
+
+
+def graph_cache_key(build: str, schemas: list[str]) -> str:
+    """What names our operators in inductor's caches: the build (sources, flags, compiler, torch, CPU) and the
+    operators' schemas (declared below, in Python)."""
+    return build + "-" + hashlib.sha256("\n".join(schemas).encode()).hexdigest()[:16]
+
+
+def graph_cache_keys() -> dict[str, str]:
+    """Inductor's option that puts this build in the key of the graphs it compiles (``compiled`` passes it),
+    so a graph compiled against another build (its code kept on disk by inductor's caches) is not reused: its
+    calls would pass the arguments of the old schemas (a stale cache once failed chapter 13 that way, after
+    ``simd=`` left a schema). A cached graph's key hashes inductor's options but not a custom operator's schema
+    or code; one option is a dictionary of function names and keys (``unsafe_marked_cacheable_functions``, for
+    functions inductor would not cache otherwise; it caches our operators anyway), which this fills."""
+    schemas = [str(getattr(torch.ops.enginelib, name).default._schema) for name in OPERATORS]
+    key = graph_cache_key(build_dir().name, schemas)
+    return {f"torch.ops.enginelib.{name}": key for name in OPERATORS}
+
+
 # assume_constant_result: torch.compile runs it while tracing and leaves it out of the graph (traced, its file
 # reads and subprocess would break the graph at every quantized linear), so the operators are registered
 # before the compiled code calls them.
