@@ -140,12 +140,58 @@ def test_the_tools_run_on_the_gguf_and_threads_and_compare_with_the_engine(tmp_p
     assert f"{effect['fast_single_stream_ratio']:.2f}x llama.cpp's tools" in out
 
 
+CRASH = "#!/bin/sh\necho 'llama_decode: bad batch' >&2\nkill -SEGV $$\n"
+
+
 def test_a_tool_that_crashes_is_named_with_its_signal(tmp_path):
     bin_dir = fake_tools(tmp_path)
-    (bin_dir / "llama-batched-bench").write_text("#!/bin/sh\necho 'llama_decode: bad batch' >&2\nkill -SEGV $$\n")
-    with pytest.raises(tools.ToolFailed, match=r"llama-batched-bench crashed: signal 11 \(SIGSEGV\): "
+    (bin_dir / "llama-bench").write_text(CRASH)
+    with pytest.raises(tools.ToolFailed, match=r"llama-bench crashed: signal 11 \(SIGSEGV\): "
                                                 r"llama_decode: bad batch"):
         tools.run_tools(bin_dir, GGUF, threads=2, quick=True)
+
+
+def test_a_crashing_batched_bench_keeps_the_builds_single_stream(tmp_path):
+    # the GGML_NATIVE build on an AMX Xeon: llama-bench runs, llama-batched-bench segfaults on any multi-token batch
+    bin_dir = fake_tools(tmp_path)
+    (bin_dir / "llama-batched-bench").write_text(CRASH)
+    run = tools.run_tools(bin_dir, GGUF, threads=2, quick=True)
+    assert run["single_stream_tok_per_s"] > 0 and run["decode_b32_tok_per_s"] is None
+    assert run["batched_failed"].startswith("llama-batched-bench crashed: signal 11 (SIGSEGV): llama_decode: bad")
+    assert run["batched_bin"] is None and run["batched_test"] is None
+
+
+def test_of_several_builds_each_batch_size_takes_its_fastest(tmp_path, capsys):
+    native = fake_tools(tmp_path / "native")  # llama-bench faster, llama-batched-bench crashes
+    (native / "llama-batched-bench").write_text(CRASH)
+    records = json.loads(recorded("llama-bench.json"))
+    for r in records:
+        r["samples_ts"] = [2 * t for t in r["samples_ts"]]
+    faster = tmp_path / "faster-llama-bench.json"
+    faster.write_text(json.dumps(records))
+    (native / "llama-bench").write_text(f"#!/bin/sh\ncat {faster}\n")
+    plain = fake_tools(tmp_path / "plain")
+    broken = fake_tools(tmp_path / "broken")
+    (broken / "llama-bench").write_text(CRASH)
+
+    run = tools.run_builds([native, plain, broken], GGUF, threads=2, quick=True)
+    alone = tools.run_tools(plain, GGUF, threads=2, quick=True)
+    assert run["single_stream_tok_per_s"] == pytest.approx(2 * alone["single_stream_tok_per_s"])
+    assert run["bin"] == str(native) and run["batched_bin"] == str(plain)
+    assert run["decode_b32_tok_per_s"] == alone["decode_b32_tok_per_s"] and run["batched_failed"].startswith(
+        "llama-batched-bench crashed")
+    assert [b["bin"] for b in run["builds"]] == [str(native), str(plain), str(broken)]
+    assert run["builds"][2]["failed"].startswith("llama-bench crashed: signal 11")
+    with pytest.raises(tools.ToolFailed, match=f"{broken}: llama-bench crashed"):
+        tools.run_builds([broken], GGUF, threads=2, quick=True)
+
+    steps = {1: 0.010, 32: 0.050}
+    effect = tools.tools_effect(lambda: run, lambda batch, new: steps[batch], quick=True)
+    print_llama_cpp_tools({"cpu": "a CPU", "engine_format": "float32"} | effect)
+    out = capsys.readouterr().out
+    assert f"vs {run['single_stream_tok_per_s']:.1f} tok/s" in out and f"vs {alone['decode_b32_tok_per_s']:.1f}" in out
+    assert out.count("  build ") == 3 and "batch 32 failed: llama-batched-bench crashed" in out
+    assert "failed: llama-bench crashed" in out
 
 
 def test_llama_cpp_bin_without_the_tools_is_refused_with_the_build_command(tmp_path, capsys):
@@ -167,7 +213,11 @@ def test_a_tool_that_prints_nothing_readable_fails_its_section_and_the_run_goes_
     gguf.write_bytes(b"GGUF")  # a path to pass: the fake tools never read it
     bin_dir = fake_tools(tmp_path, gguf=gguf)
     (bin_dir / "llama-batched-bench").write_text("#!/bin/sh\necho 'main: n_kv_max = 3328'\n")  # no JSON lines
-    with pytest.raises(tools.ToolFailed, match="cannot read: ValueError: llama-batched-bench printed no JSON lines"):
+    run = tools.run_tools(bin_dir, gguf, threads=2, quick=True)  # batch 32 not measured; the single stream was
+    assert run["batched_failed"] == "llama-batched-bench printed no JSON lines: 'main: n_kv_max = 3328\\n'"
+    assert run["decode_b32_tok_per_s"] is None and run["single_stream_tok_per_s"] > 0
+    (bin_dir / "llama-bench").write_text("#!/bin/sh\necho '[{\"n_gen\": 64}]'\n")  # JSON without the figures
+    with pytest.raises(tools.ToolFailed, match="cannot read: KeyError: 'avg_ts'"):
         tools.run_tools(bin_dir, gguf, threads=2, quick=True)
 
     class Sides:  # the engine's side stood in by steps of a known length (its fastest engines compile for minutes)
@@ -179,10 +229,10 @@ def test_a_tool_that_prints_nothing_readable_fails_its_section_and_the_run_goes_
         fast_step = fast_b32_step = engine_step
 
     report = {"machine": {"cpu_label": "a CPU"}, "ratios": {}}
-    args = argparse.Namespace(model=str(gguf), llama_cpp_bin=bin_dir, quick=True)
+    args = argparse.Namespace(model=str(gguf), llama_cpp_bin=[bin_dir], quick=True)
     cli._llama_cpp_tools_section(args, report, None, 2, Sides())
     section = report["llama_cpp_bin"]
-    assert section["failed"].startswith("ToolFailed: llama.cpp's tools printed what we cannot read")
+    assert section["failed"] == f"ToolFailed: {bin_dir}: llama.cpp's tools printed what we cannot read: KeyError: 'avg_ts'"
     assert section["bin"] == str(bin_dir) and section["cpu"] == "a CPU"
     assert "single_stream_vs_llama_cpp_bin" not in report["ratios"]  # nothing measured, nothing made up
     assert any("llama.cpp's tools failed" in note for note in report["notes"])

@@ -113,10 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
                          "in full runs) or a name from enginelib.speed.quant.KERNELS; --quick defaults to cpp (our C++ "
                          "kernels) where they build, else reference, since timing the candidates takes about "
                          "10 s per format on a 2-core CPU")
-    ap.add_argument("--llama-cpp-bin", type=Path, default=None, metavar="DIR",
+    ap.add_argument("--llama-cpp-bin", type=Path, action="append", default=None, metavar="DIR",
                     help="also compare with llama.cpp's own llama-bench and llama-batched-bench in DIR (build them "
                          "with .ci/build_llama_cpp.sh), on the same GGUF and threads: single-stream and batch-32 "
-                         "decode, with their build flags; needs no llama-cpp-python")
+                         "decode, with their build flags; needs no llama-cpp-python. Given more than once (several "
+                         "builds), each batch size is compared with the build fastest at it")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     args = ap.parse_args(argv)
     if args.spec_k < 1:
@@ -146,8 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("the endpoint system needs --endpoint URL (an OpenAI-compatible server's base URL)")
     if args.concurrency < 1:
         ap.error(f"--concurrency must be at least 1, got {args.concurrency}")
-    if args.llama_cpp_bin is not None:
-        if why := tools.tools_missing(args.llama_cpp_bin):
+    for bin_dir in args.llama_cpp_bin or ():
+        if why := tools.tools_missing(bin_dir):
             ap.error(f"--llama-cpp-bin: {why}")
         try:
             llama.gguf_path(args.model)
@@ -308,7 +309,7 @@ def _measure(args: argparse.Namespace, sections: set[str], systems: tuple[str, .
         report[llama.NAME] = peer.crash.summary() | {"cpu": report["machine"]["cpu_label"]}
         report.setdefault("notes", []).append(f"{peer.crash}; the rest of the benchmark ran without it")
     if args.llama_cpp_bin is not None:
-        with progress(f"llama.cpp's tools ({args.llama_cpp_bin})"):
+        with progress(f"llama.cpp's tools ({', '.join(map(str, args.llama_cpp_bin))})"):
             _llama_cpp_tools_section(args, report, tok, threads, sides)
     if "spec_decode" in sections:
         with progress("spec_decode"):
@@ -469,9 +470,9 @@ def _llama_cpp_tools_section(args: argparse.Namespace, report: dict, tok: Tokeni
     """llama.cpp's own llama-bench and llama-batched-bench against the engine at batch 1 and 32, alternated;
     a tool that crashes or prints nothing we can read is reported, and the run goes on."""
     gguf = llama.gguf_path(args.model)
-    base = {"bin": str(args.llama_cpp_bin), "gguf": gguf.name, "cpu": report["machine"]["cpu_label"]}
+    base = {"bin": ", ".join(map(str, args.llama_cpp_bin)), "gguf": gguf.name, "cpu": report["machine"]["cpu_label"]}
     try:
-        section = tools.tools_effect(lambda: tools.run_tools(args.llama_cpp_bin, gguf, threads, args.quick),
+        section = tools.tools_effect(lambda: tools.run_builds(args.llama_cpp_bin, gguf, threads, args.quick),
                                      sides.engine_step, args.quick, fast_step=sides.fast_step,
                                      fast_b32_step=sides.fast_b32_step)
     except (tools.ToolFailed, subprocess.TimeoutExpired) as err:

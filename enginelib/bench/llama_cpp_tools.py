@@ -1,5 +1,6 @@
 """llama.cpp's own benchmark tools as the peer: ``llama-bench`` for single-stream decode, ``llama-batched-bench``
-for 32 sequences, on the same GGUF file and thread count, with the flags they were built with.
+for 32 sequences, on the same GGUF file and thread count, with the flags they were built with; of several
+builds (``--llama-cpp-bin`` given more than once), the fastest at each batch size.
 
 llama-cpp-python's build is one build among many: on one Intel Xeon its
 ``GGML_NATIVE`` build (AMX, VNNI repacked weights) decoded 2.8x faster than an
@@ -173,17 +174,46 @@ def run_tools(bin_dir: Path, gguf: Path, threads: int, quick: bool, timeout: flo
         single = parse_llama_bench(bench.stdout)
     except ValueError as err:  # json's errors are ValueErrors too
         raise ToolFailed(f"llama-bench printed no JSON we can read: {err}") from err
-    pp = 64
-    batched = _run([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-                    "-c", str(BATCH * (pp + tg32) + 256), "-b", "2048", "-ub", "512", "-npp", str(pp),
-                    "-ntg", str(tg32), "-npl", f"1,{BATCH}", "--output-format", "jsonl"], timeout)
+    pp, points, batched_failed = 64, [], None
+    try:  # one build's llama-batched-bench crashing (the AMX build on one Xeon) still leaves its single stream
+        batched = _run([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb",
+                        str(threads), "-c", str(BATCH * (pp + tg32) + 256), "-b", "2048", "-ub", "512", "-npp",
+                        str(pp), "-ntg", str(tg32), "-npl", f"1,{BATCH}", "--output-format", "jsonl"], timeout)
+        points = parse_batched_bench(batched.stdout)
+    except (ToolFailed, subprocess.TimeoutExpired, ValueError) as err:
+        batched_failed = str(err)
     build = build_dir(bin_dir)
     cmake, isa = cmake_cache(build), isa_flags(build)
     try:
-        points = parse_batched_bench(batched.stdout)
-        return tool_figures(single, points, cmake, isa, compiled_features(cmake.get("CMAKE_CXX_COMPILER"), isa))
+        figures = tool_figures(single, points, cmake, isa, compiled_features(cmake.get("CMAKE_CXX_COMPILER"), isa))
     except (ValueError, KeyError) as err:  # a record without the fields this llama.cpp version prints
         raise ToolFailed(f"llama.cpp's tools printed what we cannot read: {type(err).__name__}: {err}") from err
+    return figures | {"bin": str(bin_dir), "batched_failed": batched_failed, "batched_build": figures["build"],
+                      "batched_bin": str(bin_dir) if figures["decode_b32_tok_per_s"] else None}
+
+
+def run_builds(bin_dirs: list[Path], gguf: Path, threads: int, quick: bool, timeout: float = 600) -> dict:
+    """:func:`run_tools` on each build: llama.cpp at its best is the fastest build at each batch size (a build
+    whose tools crash or print nothing readable is listed with the reason, as long as one build gives figures).
+
+    The single stream's figures come from the build fastest at it; batch 32's
+    (``decode_b32_tok_per_s``, ``batched_test``, ``batched_build``) from the
+    build fastest at 32 sequences, which may be another; ``builds`` lists each.
+    """
+    runs, failed = [], []
+    for bin_dir in bin_dirs:
+        try:
+            runs.append(run_tools(bin_dir, gguf, threads, quick, timeout))
+        except (ToolFailed, subprocess.TimeoutExpired) as err:
+            failed.append({"bin": str(bin_dir), "failed": str(err)})
+    if not runs:
+        raise ToolFailed("; ".join(f"{f['bin']}: {f['failed']}" for f in failed))
+    best = max(runs, key=lambda r: r["single_stream_tok_per_s"])
+    batched = max(runs, key=lambda r: r["decode_b32_tok_per_s"] or 0)
+    builds = [{k: r[k] for k in ("bin", "build", "single_stream_tok_per_s", "decode_b32_tok_per_s",
+                                 "batched_failed")} for r in runs] + failed
+    return best | {k: batched[k] for k in ("decode_b32_tok_per_s", "batched_b1_tok_per_s", "batched_test",
+                                           "batched_build", "batched_bin")} | {"builds": builds}
 
 
 def tg_tok_per_s(record: dict) -> float:

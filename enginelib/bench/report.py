@@ -175,10 +175,17 @@ def print_llama_cpp_tools(p: dict) -> None:
     if "failed" in p:
         print(f"llama.cpp's tools in {p['bin']} failed (on {p['cpu']}): {p['failed']}; the rest of the benchmark ran")
         return
+    other = p.get("batched_build") not in (None, p["build"])  # batch 32's figure from another build
     b32 = (f"; batch 32 {p['engine_decode_b32_tok_per_s']:.1f} vs {p['decode_b32_tok_per_s']:.1f} tok/s "
-           f"({p['decode_b32_ratio']:.2f}x, {p['batched_test']})") if p["decode_b32_ratio"] is not None else ""
+           f"({p['decode_b32_ratio']:.2f}x, {p['batched_test']}{', build ' + p['batched_build'] if other else ''})"
+           ) if p["decode_b32_ratio"] is not None else "; batch 32 not compared (no build's llama-batched-bench ran)"
     print(f"llama.cpp's tools (commit {p['build_commit']}, {p['build']}; {p['threads']} threads, {p['cpu']}) vs the "
           f"engine ({p['engine_format']}): single-stream decode {p['engine_single_stream_tok_per_s']:.1f} vs "
           f"{p['single_stream_tok_per_s']:.1f} tok/s ({p['single_stream_ratio']:.2f}x, {p['single_stream_test']}, "
           f"best of flash attention {'/'.join(p['single_stream_by_flash_attn'])}){b32}")
+    for b in p.get("builds", []) if len(p.get("builds", [])) > 1 or p.get("batched_failed") else ():
+        figures = (f"single stream {b['single_stream_tok_per_s']:.1f} tok/s, batch 32 "
+                   + (f"{b['decode_b32_tok_per_s']:.1f} tok/s" if b["decode_b32_tok_per_s"] else
+                      f"failed: {b['batched_failed']}")) if "failed" not in b else f"failed: {b['failed']}"
+        print(f"  build {b.get('build', b['bin'])}: {figures}")
     _fastest_lines(p, "llama.cpp's tools")

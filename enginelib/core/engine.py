@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
-from torch.profiler import record_function
 
 from enginelib.config import EngineConfig, SamplingParams, SchedulerConfig
 from enginelib.core.block_pool import BlockPool, PoolStats
@@ -27,7 +26,7 @@ from enginelib.core.record import StepRecord, snapshot
 from enginelib.core.request import Request, RequestStatus
 from enginelib.core.runner import ModelRunner, SpecStats
 from enginelib.core.scheduler import Scheduler, SchedulerOutput
-from enginelib.model.device import free_gpu_memory
+from enginelib.model.device import free_gpu_memory, record_function
 from enginelib.model.tokenizer import Tokenizer
 from enginelib.model.transformer import Transformer
 from enginelib.model.structured import StructuredOutputManager

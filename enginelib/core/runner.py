@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch.profiler import record_function
 
 from enginelib.config import EngineConfig, SamplingParams
 from enginelib.core.outputs import TokenLogprob
 from enginelib.core.paged_cache import PagedKVCache
 from enginelib.core.request import Request
 from enginelib.core.scheduler import ScheduledWork, SchedulerOutput
+from enginelib.model.device import record_function
 from enginelib.model.logits_processors import apply_history
 from enginelib.model.sampling import make_generator, sample, token_logprobs
 from enginelib.model.transformer import Transformer
@@ -118,8 +118,8 @@ class ModelRunner:
                 logits, extra = logits[:-batch.num_prompt_rows], logits[-batch.num_prompt_rows:]
                 self._prompt_logprobs(plan.scheduled, seqs, extra)
         with record_function("sample"):
-            # every row is sampled on the device (argmax, or its own generator), then one transfer: one sync a step
-            tokens = logits.argmax(dim=-1)
+            # every row is sampled on the device (argmax, or its own generator), then one transfer: one sync a step.
+            tokens = logits.max(dim=-1).indices  # the argmax (the first of ties too), 2-3x faster than argmax on a CPU
             sampling = [w for w in plan.scheduled if w.samples]
             rows, verdicts, failed = self._sample(sampling, logits, tokens)
             self._logprobs(sampling, rows, logits, tokens)

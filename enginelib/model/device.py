@@ -1,6 +1,7 @@
 """Where the model runs: device, dtype and CPU threads, chosen in one place."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -16,6 +17,15 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     if device is not None:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def record_function(name: str) -> contextlib.AbstractContextManager:
+    """``torch.profiler.record_function(name)`` while a profiler records, else nothing: the engine names 5 phases
+    a step, and a range costs ~4 us even with no profiler on (0.6% of a 3.7 ms single-stream step on a Xeon)."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else _NO_RANGE
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
