@@ -276,6 +276,7 @@ class EngineConfig:
     # tokens a request's grammar forces (a schema's next key) appended unsampled, computed with the next step's tokens
     # (SGLang's jump-forward decoding, chapter 12); off: each sampled under the mask, as the model itself picks them
     jump_forward: bool = False
+    fused_step: bool = False  # decode steps in one C++ call, llama.cpp's way (speed.fused_step: int4 cpp_q8 on a CPU)
 
     @classmethod
     def from_args(cls, **args: Any) -> EngineConfig:

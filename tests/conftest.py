@@ -93,6 +93,7 @@ TINY_ON_CPU = {
     "test_quant": "its tests feed CPU token ids and register CPU-only stand-in kernels",
     "test_compiled": "inductor's C++ wrapper, oneDNN linears and random caches made on the CPU",
     "test_cpu_kernels": "our C++ kernels run on the CPU only",
+    "test_fused_step": "the whole step is one of our C++ kernels, which run on the CPU only",
     "test_fake_cuda": "it makes fake CUDA tensors from the CPU model's (FakeTensorMode, no GPU needed)",
 }
 

@@ -145,7 +145,8 @@ def print_summary(report: dict) -> None:
 def _fastest_lines(p: dict, theirs: str) -> None:
     """The engine at its fastest single stream and batch 32 against ``theirs``, where they were measured."""
     if p.get("fast_single_stream_ratio") is not None:
-        roof = (f", {p['fast_single_stream_roofline_frac']:.0%} of its bandwidth roofline"
+        roof = (f", {p['fast_single_stream_roofline_frac']:.0%} of its bandwidth roofline: "
+                f"{p['fast_single_stream_read_bandwidth'] / 1e9:.1f} GB/s reading a step's bytes"
                 if p.get("fast_single_stream_roofline_frac") is not None else "")
         print(f"  the engine at its fastest single stream ({p['fast_format']}): "
               f"{p['fast_single_stream_tok_per_s']:.1f} tok/s ({p['fast_single_stream_ratio']:.2f}x {theirs}{roof})")

@@ -59,7 +59,7 @@ class ModelRunner:
         self.model, self.config, self.eos = model, config, eos  # EOS: what min_tokens holds back
         self.structured = structured  # the grammars of requests with a structured_output: their token masks
         self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype)
-        asks = config.cpu_decode_kernel or config.speculative is not None or config.compile is not None
+        asks = any((config.cpu_decode_kernel, config.fused_step, config.speculative, config.compile))  # any part
         self.speed = self.speed_factory(model, config, self.cache) if asks else SpeedParts()
         self.cache.decode_kernel = self.speed.decode_kernel
         self.proposer = self.speed.proposer  # a chapter or a test may swap in its own

@@ -39,7 +39,8 @@ row gives the same bits alone or in any batch: batched greedy decoding equals
 one request at a time.
 
 The C++ lives in ``csrc/`` next to this file (shipped as package data): ``linear.cpp`` (int8/int4 times
-float32), ``q8.cpp`` (the q8 twins), ``attention.cpp`` (:func:`decode_attention`) and ``common.h``. Each
+float32), ``q8.cpp`` (the q8 twins, and ``q8_decode_step``: a whole decode step of an int4 model,
+:mod:`enginelib.speed.fused_step`), ``attention.cpp`` (:func:`decode_attention`) and ``common.h``. Each
 AVX2 path is compiled under ``#ifdef __AVX2__`` and each fused multiply-add under ``#ifdef __FMA__`` (else a
 multiply and an add); a plain C++ loop is always compiled too and runs when ``simd=False``, so the tests
 check both. The kernels are used only where :func:`unavailable` says so: an x86-64 CPU with AVX2 and FMA, a

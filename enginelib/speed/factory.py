@@ -21,13 +21,18 @@ if TYPE_CHECKING:
 def make_speed_parts(model: Transformer, config: EngineConfig, cache: PagedPools) -> SpeedParts:
     """The parts ``config`` asks for, for a runner of ``model`` over ``cache``, built now, so that what cannot be built
     raises before the first step: the fused decode attention, a proposer and what verifies its guesses, the compiled
-    decode step."""
+    decode step or the fused one."""
     decode_kernel = decode_attention_kernel(model.device, model.dtype) if config.cpu_decode_kernel else None
     proposer = rejection_sample = accept_greedy = None
     if config.speculative is not None:
         from enginelib.speed import speculative
         proposer = speculative.make_proposer(config.speculative, model, config.scheduler.max_num_seqs)
         rejection_sample, accept_greedy = speculative.rejection_sample, speculative.accept_greedy
+    if config.fused_step:  # decode steps in one C++ call, the model as the GGUF stores it (it raises if it cannot)
+        if config.compile is not None:
+            raise ValueError("fused_step and compile are two ways to run decode steps: ask for one of them")
+        from enginelib.speed.fused_step import FusedDecodeStep
+        return SpeedParts(decode_kernel, proposer, rejection_sample, accept_greedy, FusedDecodeStep(model), None)
     compiled, report = compile_decoder(model, config, cache) if config.compile is not None else (None, None)
     return SpeedParts(decode_kernel, proposer, rejection_sample, accept_greedy, compiled, report)
 

@@ -22,7 +22,7 @@ class SpeedParts:
     proposer: Any = None  # speculative: anything with propose(token_ids, k) (enginelib.speed.speculative.Proposer)
     rejection_sample: Callable[..., torch.Tensor] | None = None  # verifying its guesses: sampled requests
     accept_greedy: Callable[[list[int], list[int]], list[int]] | None = None  # and greedy ones
-    compiled: Any = None  # compile: the decode step's graphs (enginelib.speed.compiled.CompiledDecoder), or None
+    compiled: Any = None  # compile: the step's graphs (speed.compiled.CompiledDecoder); fused_step: FusedDecodeStep
     compile_report: Any = None  # (eager after a fallback), and what compiling took
 
 

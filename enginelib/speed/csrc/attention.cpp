@@ -33,8 +33,7 @@ inline void axpy(float p, const float* v, float* y, int64_t d, bool simd) {
   for (; i < d; ++i) y[i] += p * v[i];
 }
 
-// e^x for the scores minus their maximum (x <= 0), 8 at a time: x = n ln2 + r, e^r by Cephes' expf
-// polynomial, times 2^n built in the exponent bits; within a few float32 ulps of std::exp.
+// e^x for the scores minus their maximum (x <= 0), 8 at a time (exp8 in common.h); their sum
 inline float softmax_exp(float* p, int64_t len, float mx, bool simd) {
   int64_t t = 0;
   float sum = 0.f;
@@ -42,20 +41,7 @@ inline float softmax_exp(float* p, int64_t len, float mx, bool simd) {
   if (simd) {
     __m256 total = _mm256_setzero_ps();
     for (; t + 8 <= len; t += 8) {
-      const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(mx)), _mm256_set1_ps(-87.f));
-      const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      __m256 r = fnmadd(n, _mm256_set1_ps(0.693359375f), x);
-      r = fnmadd(n, _mm256_set1_ps(-2.12194440e-4f), r);
-      __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-      y = fmadd(y, r, _mm256_set1_ps(1.3981999507e-3f));
-      y = fmadd(y, r, _mm256_set1_ps(8.3334519073e-3f));
-      y = fmadd(y, r, _mm256_set1_ps(4.1665795894e-2f));
-      y = fmadd(y, r, _mm256_set1_ps(1.6666665459e-1f));
-      y = fmadd(y, r, _mm256_set1_ps(5.0000001201e-1f));
-      y = fmadd(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-      const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-      const __m256 v = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+      const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(mx)));
       _mm256_storeu_ps(p + t, v);
       total = _mm256_add_ps(total, v);
     }

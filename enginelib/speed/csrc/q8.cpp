@@ -495,26 +495,14 @@ void check_rows(const at::Tensor& w, int64_t rows, int64_t bytes) {
 // Output blocks per task: at least ~64K weights, as grain() above
 int64_t block_grain(int64_t K) { return std::max<int64_t>(1, grain(K) / ROWS); }
 
-// scale: float32 [N] (one per row), or float16 [N/4, K/32, 4] (one per group of 32, interleaved: q8_0)
-at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t N, int64_t asked) {
-  TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
-  check_rows(q, N, GROUP);
-  const bool per_group = scale.scalar_type() == at::kHalf;
-  TORCH_CHECK(per_group ? scale.dim() == 3 && scale.sizes() == q.sizes().slice(0, 3) && scale.is_contiguous()
-                        : scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
-              "scale must be contiguous float32 [", N, "] or float16 ", q.sizes().slice(0, 3));
-  const int64_t M = x.size(0), K = q.size(1) * GROUP;
-  check_x(x, K);
-  const int64_t path = q8_path(asked);
-  const RoundedX r(x, path != PLAIN);
-  at::Tensor y = at::empty({M, N}, x.options());
+// y [M, N] = x W^T for x already rounded (r), W int8 in blocks of ROWS rows; scale: one float32 per row (sp),
+// or one float16 per group of 32 (gp: q8_0); the threads split W's blocks
+void int8q8_into(const RoundedX& r, int64_t M, const int8_t* qp, const float* sp, const uint16_t* gp, int64_t blocks,
+                 float* yp, int64_t N, int64_t K, int64_t path) {
   const int8_t* qx = r.qx;
   const float* dx = r.dx;
-  const int8_t* qp = q.data_ptr<int8_t>();
-  float* yp = y.data_ptr<float>();
-  const float* sp = per_group ? nullptr : scale.data_ptr<float>();
-  const uint16_t* gp = per_group ? reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()) : nullptr;
-  at::parallel_for(0, q.size(0), block_grain(K), [&](int64_t b0, int64_t b1) {
+  const bool per_group = gp != nullptr;
+  at::parallel_for(0, blocks, block_grain(K), [&](int64_t b0, int64_t b1) {
     switch (path) {
 #ifdef Q8_VNNI512
       case AVX512_VNNI:
@@ -538,29 +526,15 @@ at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
         int8q8_plain(qx, dx, qp, sp, gp, yp, M, N, K, b0, b1);
     }
   });
-  return y;
 }
 
-at::Tensor int4q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                         const at::Tensor& minimum, int64_t N, int64_t asked) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte, "codes must be uint8");
-  check_rows(codes, N, 16);
-  for (const at::Tensor* t : {&scale, &minimum})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->sizes() == codes.sizes().slice(0, 3) &&
-                t->is_contiguous(), "scale and minimum must be contiguous float16 ", codes.sizes().slice(0, 3));
-  const int64_t M = x.size(0), G = codes.size(1), K = G * GROUP;
-  check_x(x, K);
-  const int64_t path = q8_path(asked);
-  const RoundedX r(x, path != PLAIN);
-  at::Tensor y = at::empty({M, N}, x.options());
+// the same for int4 codes with a float16 scale and minimum per group of 32
+void int4q8_into(const RoundedX& r, int64_t M, const uint8_t* cp, const uint16_t* sp, const uint16_t* mp,
+                 int64_t blocks, float* yp, int64_t N, int64_t K, int64_t path) {
   const int8_t* qx = r.qx;
   const float* dx = r.dx;
   const float* xs = r.xsum;
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, codes.size(0), block_grain(K), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, block_grain(K), [&](int64_t b0, int64_t b1) {
     switch (path) {
 #ifdef Q8_VNNI512
       case AVX512_VNNI: q8_tiles<Int4Q8Tile512>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return;
@@ -574,13 +548,196 @@ at::Tensor int4q8_linear(const at::Tensor& x, const at::Tensor& codes, const at:
       default: int4q8_plain(qx, dx, xs, cp, sp, mp, yp, M, N, K, b0, b1);
     }
   });
+}
+
+bool check_int8(const at::Tensor& q, const at::Tensor& scale, int64_t N) {  // true: one scale per group (q8_0)
+  TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
+  check_rows(q, N, GROUP);
+  const bool per_group = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(per_group ? scale.dim() == 3 && scale.sizes() == q.sizes().slice(0, 3) && scale.is_contiguous()
+                        : scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
+              "scale must be contiguous float32 [", N, "] or float16 ", q.sizes().slice(0, 3));
+  return per_group;
+}
+
+void check_int4(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& minimum, int64_t N) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "codes must be uint8");
+  check_rows(codes, N, 16);
+  for (const at::Tensor* t : {&scale, &minimum})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->sizes() == codes.sizes().slice(0, 3) &&
+                t->is_contiguous(), "scale and minimum must be contiguous float16 ", codes.sizes().slice(0, 3));
+}
+
+const uint16_t* halves(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
+
+// scale: float32 [N] (one per row), or float16 [N/4, K/32, 4] (one per group of 32, interleaved: q8_0)
+at::Tensor int8q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t N, int64_t asked) {
+  const bool per_group = check_int8(q, scale, N);
+  const int64_t M = x.size(0), K = q.size(1) * GROUP;
+  check_x(x, K);
+  const int64_t path = q8_path(asked);
+  const RoundedX r(x, path != PLAIN);
+  at::Tensor y = at::empty({M, N}, x.options());
+  int8q8_into(r, M, q.data_ptr<int8_t>(), per_group ? nullptr : scale.data_ptr<float>(),
+              per_group ? halves(scale) : nullptr, q.size(0), y.data_ptr<float>(), N, K, path);
   return y;
+}
+
+at::Tensor int4q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                         const at::Tensor& minimum, int64_t N, int64_t asked) {
+  check_int4(codes, scale, minimum, N);
+  const int64_t M = x.size(0), K = codes.size(1) * GROUP;
+  check_x(x, K);
+  const int64_t path = q8_path(asked);
+  const RoundedX r(x, path != PLAIN);
+  at::Tensor y = at::empty({M, N}, x.options());
+  int4q8_into(r, M, codes.data_ptr<uint8_t>(), halves(scale), halves(minimum), codes.size(0), y.data_ptr<float>(),
+              N, K, path);
+  return y;
+}
+
+// ---------------------------------------------------------------- a whole decode step in one call
+
+// The residual stream's RMSNorm (x * rsqrt(mean(x^2) + eps) * w, in float32), row by row: [M, D] -> out
+void rms_norm(const float* x, const float* w, float* out, int64_t M, int64_t D, float eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < D; ++i) ss += x[m * D + i] * x[m * D + i];
+    const float r = 1.f / std::sqrt(ss / float(D) + eps);
+    for (int64_t i = 0; i < D; ++i) out[m * D + i] = x[m * D + i] * r * w[i];
+  }
+}
+
+// RoPE on one head, the half-split layout of transformer.apply_rope: (x_i, x_{i+D/2}) turned by the angle whose
+// cosine and sine are c[i], s[i] (its position times theta^(-2i/D))
+void rope(float* x, const float* c, const float* s, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x0 = x[i], x1 = x[i + half];
+    x[i] = x0 * c[i] - x1 * s[i];
+    x[i + half] = x1 * c[i] + x0 * s[i];
+  }
+}
+
+// SwiGLU's product: out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i]
+void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                            _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// The int4 layer at weights[i..i+2] (codes, scales, minimums) times x [M, K] -> y [M, N]
+void int4_layer(at::TensorList w, int64_t i, const at::Tensor& x, at::Tensor& y, int64_t path) {
+  const at::Tensor &codes = w[i], &scale = w[i + 1], &minimum = w[i + 2];
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  check_int4(codes, scale, minimum, N);
+  TORCH_CHECK(codes.size(1) * GROUP == K, "layer weight ", i, " takes ", codes.size(1) * GROUP, " inputs, not ", K);
+  const RoundedX r(x, path != PLAIN);
+  int4q8_into(r, M, codes.data_ptr<uint8_t>(), halves(scale), halves(minimum), codes.size(0), y.data_ptr<float>(),
+              N, K, path);
+}
+
+}  // namespace
+
+// in attention.cpp: writes the step's keys and values into the pools, then attends over them
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
+                            at::Tensor& v_pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            bool simd);
+
+namespace {
+
+// One decode step of a LLaMA-family model with int4 layers and an int8 or q8_0 head, every sequence one new token
+// (enginelib.speed.fused_step): the whole forward pass in C++, as llama.cpp runs its graph, with none of a compiled
+// graph's per-operator costs (a dispatcher call, tensor handles and an allocation per operator, Python around it).
+// weights: embedding [V, D] float32, final norm [D], head (codes, scale), then per layer 14 tensors: input norm,
+// qkv (codes, scales, minimums), o, post-attention norm, gate_up, down. Returns the logits [M, V].
+at::Tensor q8_decode_step(const at::Tensor& token_ids, const at::Tensor& positions, const at::Tensor& block_tables,
+                          const at::Tensor& context_lens, at::Tensor& k_pools, at::Tensor& v_pools,
+                          at::TensorList weights, int64_t num_heads, int64_t num_kv_heads, double eps, double theta,
+                          int64_t asked) {
+  constexpr int64_t PER_LAYER = 14;
+  const int64_t L = k_pools.size(0), M = token_ids.numel(), Dh = k_pools.size(4);
+  TORCH_CHECK(int64_t(weights.size()) == 4 + PER_LAYER * L, "q8_decode_step takes ", 4 + PER_LAYER * L,
+              " weights for ", L, " layers, got ", weights.size());
+  TORCH_CHECK(token_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+              positions.numel() == M && token_ids.is_contiguous() && positions.is_contiguous(),
+              "token_ids and positions must be contiguous int64 [M]");
+  const at::Tensor& embed = weights[0];
+  TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.is_contiguous(),
+              "the embedding must be contiguous float32 [V, D]");
+  const int64_t V = embed.size(0), D = embed.size(1), H = num_heads, KV = num_kv_heads;
+  const int64_t path = q8_path(asked);
+  const float e = float(eps);
+  const auto f32 = embed.options();
+  const int64_t* ids = token_ids.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  at::Tensor x = at::empty({M, D}, f32), h = at::empty({M, D}, f32), y = at::empty({M, D}, f32);
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(ids[m] >= 0 && ids[m] < V, "token id ", ids[m], " is outside the vocabulary of ", V);
+    std::copy_n(embed.data_ptr<float>() + ids[m] * D, D, x.data_ptr<float>() + m * D);
+  }
+  std::vector<float> cos(M * Dh / 2), sin(M * Dh / 2);  // each row's angles, the same in every layer
+  for (int64_t i = 0; i < Dh / 2; ++i) {
+    const float inv_freq = 1.f / std::pow(float(theta), float(2 * i) / float(Dh));
+    for (int64_t m = 0; m < M; ++m) {
+      cos[m * Dh / 2 + i] = std::cos(float(pos[m]) * inv_freq);
+      sin[m * Dh / 2 + i] = std::sin(float(pos[m]) * inv_freq);
+    }
+  }
+  const int64_t I = weights[4 + 11].size(1) * GROUP, I2 = 2 * I;  // down's inputs: the intermediate size
+  at::Tensor qkv = at::empty({M, (H + 2 * KV) * Dh}, f32), q = at::empty({M, H, Dh}, f32);
+  at::Tensor k = at::empty({M, KV, Dh}, f32), v = at::empty({M, KV, Dh}, f32);
+  at::Tensor gu = at::empty({M, I2}, f32), act = at::empty({M, I}, f32);
+  float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
+  for (int64_t l = 0; l < L; ++l) {  // each layer: attention, then the MLP, each added to the residual stream x
+    const int64_t w = 4 + PER_LAYER * l;
+    rms_norm(xp, weights[w].data_ptr<float>(), hp, M, D, e);
+    int4_layer(weights, w + 1, h, qkv, path);  // q, k and v in one matvec
+    for (int64_t m = 0; m < M; ++m) {  // q and k turned, then q, k, v apart as the attention takes them
+      float* row = qkv.data_ptr<float>() + m * (H + 2 * KV) * Dh;
+      for (int64_t hd = 0; hd < H + KV; ++hd) rope(row + hd * Dh, cos.data() + m * Dh / 2, sin.data() + m * Dh / 2, Dh);
+      std::copy_n(row, H * Dh, q.data_ptr<float>() + m * H * Dh);
+      std::copy_n(row + H * Dh, KV * Dh, k.data_ptr<float>() + m * KV * Dh);
+      std::copy_n(row + (H + KV) * Dh, KV * Dh, v.data_ptr<float>() + m * KV * Dh);
+    }
+    at::Tensor kp = k_pools.select(0, l), vp = v_pools.select(0, l);
+    const at::Tensor attn = decode_attention(q, k, v, kp, vp, block_tables, context_lens, true).view({M, H * Dh});
+    int4_layer(weights, w + 4, attn, y, path);  // o_proj
+    for (int64_t i = 0; i < M * D; ++i) xp[i] += yp[i];  // the attention's residual
+    rms_norm(xp, weights[w + 7].data_ptr<float>(), hp, M, D, e);
+    int4_layer(weights, w + 8, h, gu, path);  // gate and up in one matvec
+    for (int64_t m = 0; m < M; ++m)
+      silu_mul(gu.data_ptr<float>() + m * I2, gu.data_ptr<float>() + m * I2 + I, act.data_ptr<float>() + m * I, I);
+    int4_layer(weights, w + 11, act, y, path);  // down_proj
+    for (int64_t i = 0; i < M * D; ++i) xp[i] += yp[i];  // the MLP's residual
+  }
+  rms_norm(xp, weights[1].data_ptr<float>(), hp, M, D, e);
+  const at::Tensor &head = weights[2], &head_scale = weights[3];
+  const bool per_group = check_int8(head, head_scale, V);
+  at::Tensor logits = at::empty({M, V}, f32);
+  const RoundedX r(h, path != PLAIN);
+  int8q8_into(r, M, head.data_ptr<int8_t>(), per_group ? nullptr : head_scale.data_ptr<float>(),
+              per_group ? halves(head_scale) : nullptr, head.size(0), logits.data_ptr<float>(), V, D, path);
+  return logits;
 }
 
 }  // namespace
 
 // q8_paths has no tensor to dispatch on: declared here, with its one implementation (as has_simd)
-TORCH_LIBRARY_FRAGMENT(enginelib, m) { m.def("q8_paths() -> str[]", &q8_paths); }
+TORCH_LIBRARY_FRAGMENT(enginelib, m) {
+  m.def("q8_paths() -> str[]", &q8_paths);
+  // a whole decode step (enginelib.speed.fused_step), called from Python only: no graph traces it
+  m.def("q8_decode_step(Tensor token_ids, Tensor positions, Tensor block_tables, Tensor context_lens, "
+        "Tensor(a!) k_pools, Tensor(b!) v_pools, Tensor[] weights, int num_heads, int num_kv_heads, float eps, "
+        "float theta, int path=-1) -> Tensor", &q8_decode_step);
+}
 
 TORCH_LIBRARY_IMPL(enginelib, CPU, m) {
   m.impl("int8q8_linear", &int8q8_linear);

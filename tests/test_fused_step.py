@@ -1,0 +1,77 @@
+"""The whole decode step in one C++ call (``EngineConfig(fused_step=True)``, enginelib.speed.fused_step): the eager
+step's logits and K/V on a toy model, the eager engine's greedy tokens on the real one, and a clear error where the
+model or the config cannot have it.
+
+Both sides round the activations to int8 before every matvec (the ``cpp_q8`` kernels), so where their float
+arithmetic differs in the last bits (RMSNorm's sum, RoPE's angles, SiLU's exponential) a code can round the other
+way: the logits agree to about 1% of their range, not bit for bit, and greedy tokens may part at a near-tie.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from enginelib.config import SamplingParams
+from enginelib.core.engine import Engine, EngineConfig
+from enginelib.model.checks import check_greedy
+from enginelib.speed import cpu_kernels
+from enginelib.speed.compiled import CompileConfig
+from enginelib.speed.fused_step import FusedDecodeStep, fused_step_unavailable
+from enginelib.speed.quant import load_quantized, quantize
+
+from .conftest import chat_ids, tiny_tokenizer
+from .test_compiled import _decode_batch, _random_cache
+
+pytestmark = pytest.mark.skipif(cpu_kernels.unavailable("cpu") is not None,
+                                reason=str(cpu_kernels.unavailable("cpu")))
+
+
+@pytest.mark.parametrize("path", ["fastest", "plain"])
+def test_one_call_gives_the_eager_steps_logits_and_keys(tiny, path):
+    model = quantize(tiny, "int4", "cpp_q8", head="int8")
+    step = FusedDecodeStep(model)
+    if path == "plain":
+        step.path = cpu_kernels.q8_path_number("plain")
+    eager, fused = _random_cache(model.cfg, 0), _random_cache(model.cfg, 0)
+    batch = _decode_batch(eager, [5, 9, 2])  # three sequences, one new token each, their blocks apart
+    with torch.inference_mode():
+        want = model(batch.token_ids, eager.bind(batch), positions=batch.positions,
+                     logits_indices=batch.logits_indices)
+        got = step(batch, fused)
+    assert step.serves(batch) and step.steps == 1 and got.shape == want.shape
+    assert (got - want).abs().max() < 0.02 * want.abs().max()  # a lost residual or a wrong angle is far off
+    written = (eager.k != _random_cache(model.cfg, 0).k).any(dim=(0, 3, 4))  # [blocks, slots]: the new keys' slots
+    assert written.sum() == 3 and torch.equal((fused.k != _random_cache(model.cfg, 0).k).any(dim=(0, 3, 4)), written)
+    torch.testing.assert_close(fused.k, eager.k, atol=0.05, rtol=0.05)
+    torch.testing.assert_close(fused.v, eager.v, atol=0.05, rtol=0.05)
+
+
+def test_the_engine_decodes_the_eager_tokens_on_the_real_gguf(real):
+    _, tok = real
+    model, _ = load_quantized(progress=False, kernel="cpp_q8")
+    prompts = [chat_ids(tok, q) for q in ("Name a fruit.", "What is 2 + 2?", "Say hello in French.")]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def run(config: EngineConfig) -> tuple[Engine, list[list[int]]]:
+        engine = Engine(model, tok, config)
+        ids = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.stats().pool.used == 0  # no block leaked
+        return engine, [list(engine.request(i).output_token_ids) for i in ids]
+
+    fused, got = run(EngineConfig(fused_step=True))
+    _, expected = run(EngineConfig())
+    assert fused.runner.compiled.steps == 15  # every decode step of the three, together, ran as one call
+    # int8 rounding of the activations moves a logit by up to ~1 where the two sides' floats differ (see above)
+    check_greedy(model, prompts, got, expected, reference=model, threshold=1.0)
+
+
+def test_what_cannot_fuse_is_refused_with_the_reason(tiny):
+    tok = tiny_tokenizer(tiny.cfg.vocab_size)
+    with pytest.raises(ValueError, match="every layer int4 with the cpp_q8 kernel"):
+        Engine(tiny, tok, EngineConfig(fused_step=True))  # float32 layers
+    assert "int8 or q8_0 head" in fused_step_unavailable(quantize(tiny, "int4", "cpp_q8"))  # a float head
+    with pytest.raises(ValueError, match="fused_step and compile are two ways"):
+        Engine(quantize(tiny, "int4", "cpp_q8", head="int8"), tok,
+               EngineConfig(fused_step=True, compile=CompileConfig(batch_sizes=(1,))))
