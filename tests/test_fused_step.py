@@ -72,6 +72,11 @@ def test_what_cannot_fuse_is_refused_with_the_reason(tiny):
     with pytest.raises(ValueError, match="every layer int4 with the cpp_q8 kernel"):
         Engine(tiny, tok, EngineConfig(fused_step=True))  # float32 layers
     assert "int8 or q8_0 head" in fused_step_unavailable(quantize(tiny, "int4", "cpp_q8"))  # a float head
+    step = FusedDecodeStep(quantize(tiny, "int4", "cpp_q8", head="int8"))
+    cache = _random_cache(tiny.cfg, 0)
+    step.weights[4] = step.weights[4][:-1]  # the first layer's input norm, one short: refused, not read past
+    with pytest.raises(RuntimeError, match=r"weight 4 must be a norm: contiguous float32 \[64\]"):
+        step(_decode_batch(cache, [5]), cache)
     with pytest.raises(ValueError, match="fused_step and compile are two ways"):
         Engine(quantize(tiny, "int4", "cpp_q8", head="int8"), tok,
                EngineConfig(fused_step=True, compile=CompileConfig(batch_sizes=(1,))))

@@ -673,6 +673,15 @@ at::Tensor q8_decode_step(const at::Tensor& token_ids, const at::Tensor& positio
   TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.is_contiguous(),
               "the embedding must be contiguous float32 [V, D]");
   const int64_t V = embed.size(0), D = embed.size(1), H = num_heads, KV = num_kv_heads;
+  auto check_norm = [&](int64_t n) {  // read D floats each, unchecked below
+    TORCH_CHECK(weights[n].scalar_type() == at::kFloat && weights[n].numel() == D && weights[n].is_contiguous(),
+                "weight ", n, " must be a norm: contiguous float32 [", D, "]");
+  };
+  check_norm(1);
+  for (int64_t n = 4; n < 4 + PER_LAYER * L; n += PER_LAYER) {  // each layer's two
+    check_norm(n);
+    check_norm(n + 7);
+  }
   const int64_t path = q8_path(asked);
   const float e = float(eps);
   const auto f32 = embed.options();
