@@ -173,6 +173,8 @@ def test_llama_cpp_bin_puts_the_tools_beside_the_engine_in_the_report(crashed_pe
     from enginelib.speed import cpu_kernels
     fused = "one C++ call a step" in section["fast_format"]  # the fused step, where our kernels build
     assert fused == (cpu_kernels.unavailable("cpu") is None)
+    # batch 32: the float32 engine and, where it runs, the one-call step, timed against each other here
+    assert ("faster here than" in section["fast_b32_format"]) == fused
     # its roof: the bandwidth over the bytes a step of the GGUF's model reads, 92 MiB (the embedding table's
     # 108 MiB of float32 rows left out: a token reads one row)
     roof = section["fast_single_stream_roofline_tok_per_s"]

@@ -210,41 +210,58 @@ def parse_sections(ap: argparse.ArgumentParser, value: str | None, quick: bool) 
     return names
 
 
-def fastest_single_stream(model: Transformer, tok: Tokenizer, kernel: str,
-                          source: str | Path = DEFAULT_MODEL) -> tuple[Engine, str]:
-    """The engine as fast as it goes at batch 1, for the llama.cpp comparison: the GGUF ``source`` as
-    stored (:func:`quant.load_quantized`: the shipped file's Q4_1 layers as int4, its Q8_0 head as q8_0,
-    the very bytes llama.cpp reads), or, for a checkpoint that is not such a file, the model quantized
-    to that mix (int4 layers, int8 head); with integer-product kernels (``cpp_q8``, llama.cpp's way)
-    where they build, else ``kernel``; and each decode step in one C++ call (``fused_step``, llama.cpp's
-    way) where the model allows, else compiled for batch 1 (on a CPU with inductor's C++ wrapper and the
-    weights frozen into the graph) where compiling is available."""
+def small_model(model: Transformer, kernel: str, source: str | Path = DEFAULT_MODEL) -> tuple[Transformer, str]:
+    """The model llama.cpp runs, and its format: the GGUF ``source`` as stored (:func:`quant.load_quantized`: the
+    shipped file's Q4_1 layers as int4, its Q8_0 head as q8_0, the very bytes llama.cpp reads), or, for a
+    checkpoint that is not such a file, the model quantized to that mix (int4 layers, int8 head); with
+    integer-product kernels (``cpp_q8``, llama.cpp's way) where they build, else ``kernel``."""
     q8 = kernel_unavailable("cpp_q8", "int4", (32, 32), model.device) is None
     try:
         small, _ = load_quantized(source, "cpp_q8" if q8 else kernel, device=model.device, progress=False)
-        kernels = ", ".join(sorted(set(quant_info(small).kernels.values())))
-        small_format = f"the GGUF as stored: int4 layers, q8_0 head ({kernels} kernels)"
     except ValueError:  # not a GGUF, or its layers are not Q4_1/Q8_0
-        small, small_format = int4_model(model, kernel)
+        return int4_model(model, kernel)
+    kernels = ", ".join(sorted(set(quant_info(small).kernels.values())))
+    return small, f"the GGUF as stored: int4 layers, q8_0 head ({kernels} kernels)"
+
+
+def fastest_single_stream(small: Transformer, small_format: str, tok: Tokenizer) -> tuple[Engine, str]:
+    """The engine as fast as it goes at batch 1, for the llama.cpp comparison: :func:`small_model`'s, each
+    decode step in one C++ call (``fused_step``, llama.cpp's way) where the model allows, else compiled for
+    batch 1 (on a CPU with inductor's C++ wrapper and the weights frozen into the graph) where compiling is
+    available."""
     if fused_step_unavailable(small) is None:
         engine = Engine(small, tok, EngineConfig(scheduler=SchedulerConfig(1, 2048), fused_step=True))
         return engine, small_format + ", one C++ call a step"
     compile = None
-    if compile_unavailable(model.device) is None:
+    if compile_unavailable(small.device) is None:
         compile = CompileConfig(batch_sizes=(1,), cpp_wrapper=True, freeze=True)
     engine = Engine(small, tok, EngineConfig(scheduler=SchedulerConfig(1, 2048), compile=compile))
     return engine, small_format + (", compiled" if compile else "")
 
 
-def fastest_batch32(model: Transformer, tok: Tokenizer) -> tuple[Engine, str]:
-    """The engine as fast as it goes with 32 sequences decoding, for the llama.cpp comparison: the model as
-    loaded (at batch 32 a CPU's float32 matmuls are compute-bound, and oneDNN's beat our integer kernels),
-    decode compiled for batch 32 (on a CPU with the C++ wrapper and frozen weights) where compiling is available."""
+def fastest_batch32(model: Transformer, tok: Tokenizer, small: Transformer, small_format: str) -> tuple[Engine, str]:
+    """The engine as fast as it goes with 32 sequences decoding, for the llama.cpp comparison: of the model as
+    loaded (float32: at batch 32 the matmuls are compute-bound, where oneDNN is strong), decode compiled for
+    batch 32 (on a CPU with the C++ wrapper and frozen weights) where compiling is available, and
+    :func:`small_model` in one C++ call a step (integer products, 4 per VNNI instruction) where that runs,
+    whichever decodes faster here: which one wins depends on the CPU, so both are timed (a short run each to
+    warm up, then the better of two medians of 3 decode steps) and the format says by how much."""
     compile = None
     if compile_unavailable(model.device) is None:
         compile = CompileConfig(batch_sizes=(32,), cpp_wrapper=True, freeze=True)
-    engine = Engine(model, tok, EngineConfig(scheduler=SchedulerConfig(32, 2048), compile=compile))
-    return engine, llama.engine_format(model) + (", compiled" if compile else "")
+    scheduler = SchedulerConfig(32, 2048)
+    engine = Engine(model, tok, EngineConfig(scheduler=scheduler, compile=compile))
+    float_side = engine, llama.engine_format(model) + (", compiled" if compile else "")
+    if fused_step_unavailable(small) is not None:
+        return float_side
+    fused_side = Engine(small, tok, EngineConfig(scheduler=scheduler, fused_step=True)), small_format + \
+        ", one C++ call a step"
+    timed = []
+    for engine, fmt in (float_side, fused_side):
+        engine_decode_step_time(engine, tok, 32, 2)  # warm up (and compile)
+        timed.append((min(engine_decode_step_time(engine, tok, 32, 4)[0] for _ in range(2)), fmt, engine))
+    (fast, fast_format, engine), (slow, slow_format, _) = sorted(timed, key=lambda t: t[0])
+    return engine, f"{fast_format}; faster here than {slow_format}: {fast * 1e3:.1f} vs {slow * 1e3:.1f} ms a step"
 
 
 def quick_kernel(device: torch.device) -> str:
@@ -421,21 +438,28 @@ class _EngineSides:
         self.engine_format = llama.engine_format(model) + (", C++ decode attention" if self.decode_kernel else "")
         self._fast: tuple[Engine, str] | None = None
         self._fast32: tuple[Engine, str] | None = None
+        self._small: tuple[Transformer, str] | None = None  # the GGUF's own model, shared by both fastest engines
         self._step_bandwidth: float | None = None  # bytes/s reading a step's worth, measured once
 
     def engine_step(self, batch: int, new_tokens: int) -> float:
         return decode_step_time(self.model, self.tok, batch, new_tokens, self.decode_kernel)[0]
 
     @property
+    def small(self) -> tuple[Transformer, str]:
+        if self._small is None:
+            self._small = small_model(self.model, self.args.quant_kernel, self.args.model)
+        return self._small
+
+    @property
     def fast(self) -> tuple[Engine, str]:
         if self._fast is None:
-            self._fast = fastest_single_stream(self.model, self.tok, self.args.quant_kernel, self.args.model)
+            self._fast = fastest_single_stream(*self.small, self.tok)
         return self._fast
 
     @property
     def fast32(self) -> tuple[Engine, str]:
         if self._fast32 is None:
-            self._fast32 = fastest_batch32(self.model, self.tok)
+            self._fast32 = fastest_batch32(self.model, self.tok, *self.small)
         return self._fast32
 
     def fast_step(self, batch: int, new_tokens: int) -> float:
