@@ -17,6 +17,7 @@ from enginelib.model.checks import check_greedy
 from enginelib.speed import cpu_kernels
 from enginelib.speed.compiled import CompileConfig
 from enginelib.speed.fused_step import FusedDecodeStep, fused_step_unavailable
+from enginelib.speed.huge_pages import huge_pages_unavailable, move_to_huge_pages
 from enginelib.speed.quant import load_quantized, quantize
 
 from .conftest import chat_ids, tiny_tokenizer
@@ -80,3 +81,17 @@ def test_what_cannot_fuse_is_refused_with_the_reason(tiny):
     with pytest.raises(ValueError, match="fused_step and compile are two ways"):
         Engine(quantize(tiny, "int4", "cpp_q8", head="int8"), tok,
                EngineConfig(fused_step=True, compile=CompileConfig(batch_sizes=(1,))))
+
+
+@pytest.mark.skipif(huge_pages_unavailable() is not None, reason=str(huge_pages_unavailable()))
+def test_the_weights_move_to_huge_pages_once_with_their_values(tiny):
+    model = quantize(tiny, "int4", "cpp_q8", head="int8")
+    layers = [m for m in model.modules() if hasattr(m, "prepared")]
+    before = [(w.data.clone(), w.scale.clone()) for w in (m.prepared for m in layers)]
+    FusedDecodeStep(model)  # moves them: one arena, starting on a 2 MiB boundary, each tensor on a cache line
+    assert not move_to_huge_pages(model)  # not twice
+    starts = [t.data_ptr() for m in layers for t in (m.prepared.data, m.prepared.scale)]
+    assert min(starts) % (2 << 20) == 0 and all(p % 64 == 0 for p in starts)
+    assert max(starts) - min(starts) < sum(m.prepared.data.nbytes + m.prepared.scale.nbytes for m in layers) * 2
+    for m, (data, scale) in zip(layers, before):
+        assert torch.equal(m.prepared.data, data) and torch.equal(m.prepared.scale, scale)

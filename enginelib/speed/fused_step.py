@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from enginelib.model.transformer import Transformer
+from enginelib.speed.huge_pages import move_to_huge_pages
 from enginelib.step.attention import PagedPools
 from enginelib.step.batch import Batch
 
@@ -44,6 +45,7 @@ class FusedDecodeStep:
         if reason:
             raise ValueError(reason)
         self.model = model
+        move_to_huge_pages(model)  # the weights every step streams, on 2 MiB pages (huge_pages.py: why)
         head = model.lm_head.prepared
         weights = [model.embed_tokens.weight, model.norm.weight, head.data, head.scale]
         for layer in model.layers:
