@@ -27,19 +27,25 @@ pytestmark = pytest.mark.skipif(cpu_kernels.unavailable("cpu") is not None,
                                 reason=str(cpu_kernels.unavailable("cpu")))
 
 
-@pytest.mark.parametrize("path", ["fastest", "plain"])
-def test_one_call_gives_the_eager_steps_logits_and_keys(tiny, path):
+@pytest.mark.parametrize("path,threads", [("fastest", None), ("plain", None), ("fastest", 1)])
+def test_one_call_gives_the_eager_steps_logits_and_keys(tiny, path, threads):
     model = quantize(tiny, "int4", "cpp_q8", head="int8")
     step = FusedDecodeStep(model)
     if path == "plain":
         step.path = cpu_kernels.q8_path_number("plain")
     eager, fused = _random_cache(model.cfg, 0), _random_cache(model.cfg, 0)
     batch = _decode_batch(eager, [5, 9, 2])  # three sequences, one new token each, their blocks apart
-    with torch.inference_mode():
-        want = model(batch.token_ids, eager.bind(batch), positions=batch.positions,
-                     logits_indices=batch.logits_indices)
-        got = step(batch, fused)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)  # one thread: a team of one, no barrier waits
+    try:
+        with torch.inference_mode():
+            want = model(batch.token_ids, eager.bind(batch), positions=batch.positions,
+                         logits_indices=batch.logits_indices)
+            got, argmax = step(batch, fused)
+    finally:
+        torch.set_num_threads(before)
     assert step.serves(batch) and step.steps == 1 and got.shape == want.shape
+    assert torch.equal(argmax, got.argmax(dim=-1))  # each row's, from the threads' shares of its columns
     assert (got - want).abs().max() < 0.02 * want.abs().max()  # a lost residual or a wrong angle is far off
     written = (eager.k != _random_cache(model.cfg, 0).k).any(dim=(0, 3, 4))  # [blocks, slots]: the new keys' slots
     assert written.sum() == 3 and torch.equal((fused.k != _random_cache(model.cfg, 0).k).any(dim=(0, 3, 4)), written)
@@ -75,7 +81,9 @@ def test_what_cannot_fuse_is_refused_with_the_reason(tiny):
     assert "int8 or q8_0 head" in fused_step_unavailable(quantize(tiny, "int4", "cpp_q8"))  # a float head
     step = FusedDecodeStep(quantize(tiny, "int4", "cpp_q8", head="int8"))
     cache = _random_cache(tiny.cfg, 0)
-    step.weights[4] = step.weights[4][:-1]  # the first layer's input norm, one short: refused, not read past
+    tensors = list(step.tensors)
+    tensors[4] = tensors[4][:-1]  # the first layer's input norm, one short: refused, not read past
+    step.weights = torch.classes.enginelib.DecodeWeights(tensors)
     with pytest.raises(RuntimeError, match=r"weight 4 must be a norm: contiguous float32 \[64\]"):
         step(_decode_batch(cache, [5]), cache)
     with pytest.raises(ValueError, match="fused_step and compile are two ways"):

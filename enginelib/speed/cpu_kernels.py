@@ -73,7 +73,7 @@ import enginelib.env as env
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("linear.cpp", "q8.cpp", "attention.cpp")  # compiled, in csrc/
-HEADERS = ("common.h",)  # included by them: part of the build key too
+HEADERS = ("common.h", "attention.h")  # included by them: part of the build key too
 # -ffp-contract=off: the compiler fuses no multiply-add on its own, so each output is summed in the order
 # written whatever tile it falls in (a row alone or in a batch: the same bits). -march=native: the CPU's own
 # instructions (AVX2, and FMA and F16C where it has them, which the C++ checks with #ifdef).

@@ -4,7 +4,7 @@ matvecs, RoPE, paged attention and residuals in ``enginelib::q8_decode_step`` (c
 
 A compiled step (chapter 14) already runs its kernels from C++, but each of its 151 operator calls still goes
 through torch's dispatcher with fresh tensor handles and an output allocated, and Python builds the call's 430
-arguments each step. This step passes the weights once per call as one list and allocates a handful of buffers.
+arguments each step. This step passes the weights as one object, made once, and allocates a handful of buffers.
 It serves decode steps only (one new token per sequence); the runner runs the others as before.
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ def fused_step_unavailable(model: Transformer) -> str | None:
 
 class FusedDecodeStep:
     """Decode steps of ``model`` through ``enginelib::q8_decode_step``: ``serves(batch)``, ``__call__(batch, cache)``
-    -> logits [N, vocab], as :class:`enginelib.speed.compiled.CompiledDecoder`, which the runner takes it for."""
+    -> (logits [N, vocab], each row's argmax [N]), as :class:`enginelib.speed.compiled.CompiledDecoder` returns
+    logits, which the runner takes it for; the argmax is the greedy token, taken by the threads that wrote the row."""
 
     def __init__(self, model: Transformer) -> None:
         reason = fused_step_unavailable(model)
@@ -55,7 +56,8 @@ class FusedDecodeStep:
                 for linear in pair:
                     w = linear.prepared
                     weights += [w.data, w.scale, w.minimum]
-        self.weights = [w.detach() for w in weights]
+        self.tensors = [w.detach() for w in weights]
+        self.weights = torch.classes.enginelib.DecodeWeights(self.tensors)  # passed as one object: no list to convert
         self.path = model.lm_head.prepared.path
         self.steps = 0  # decode steps run here: a test can tell them from eager ones
 
@@ -63,7 +65,7 @@ class FusedDecodeStep:
         """A decode step: one new token per sequence, each sampled."""
         return batch.num_tokens == batch.num_seqs == len(batch.logits_indices)
 
-    def __call__(self, batch: Batch, cache: PagedPools) -> torch.Tensor:
+    def __call__(self, batch: Batch, cache: PagedPools) -> tuple[torch.Tensor, torch.Tensor]:
         batch.check_pool(cache.num_blocks)  # the kernel trusts the tables
         self.steps += 1
         cfg = self.model.cfg

@@ -1,5 +1,6 @@
 // A decode step's attention over the paged KV cache, reading the keys where they lie
 // (enginelib.speed.cpu_kernels.decode_attention, and the compiled step's calls of the operator).
+#include "attention.h"
 #include "common.h"
 
 namespace {
@@ -113,9 +114,8 @@ void attend_head(const float* qi, const float* ki, const float* vi, const int64_
 // first context_lens[s] keys where they lie; no keys are gathered or copied. A sequence with no keys is
 // padding (a compiled step's batch filled up to its size): nothing is written and its output is zeros.
 // out[s, h] = softmax(q[s, h] . K / sqrt(D)) V, with K, V of KV head h / (H / KV) (grouped-query attention).
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
-                            at::Tensor& v_pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            bool simd) {
+PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
+                         at::Tensor& v_pool, const at::Tensor& block_tables, const at::Tensor& context_lens) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
               "q must be contiguous float32 [S, H, D]");
   for (const at::Tensor* t : {&k, &v})
@@ -125,64 +125,74 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   for (const at::Tensor* t : {&k_pool, &v_pool})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->is_contiguous() && t->sizes() == k_pool.sizes(),
                 "k_pool and v_pool must be contiguous float32 [num_blocks, block_size, KV, D]");
-  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t NB = k_pool.size(0), BS = k_pool.size(1), KV = k_pool.size(2);
+  S = q.size(0), H = q.size(1), D = q.size(2);
+  NB = k_pool.size(0), BS = k_pool.size(1), KV = k_pool.size(2);
   TORCH_CHECK(k_pool.size(3) == D && H % KV == 0, "q has ", H, " heads of ", D, ", the cache ", KV, " of ",
               k_pool.size(3));
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == S &&
               block_tables.is_contiguous(), "block_tables must be contiguous int64 [S, max_blocks]");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.numel() == S && context_lens.is_contiguous(),
               "context_lens must be contiguous int64 [S]");
-  const int64_t W = block_tables.size(1);
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  W = block_tables.size(1);
+  bt = block_tables.data_ptr<int64_t>();
+  lens = context_lens.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s) {  // checked here: an exception inside the threads below would be late
     TORCH_CHECK(lens[s] >= 0 && lens[s] <= W * BS, "sequence ", s, " has ", lens[s], " keys; its table holds ", W * BS);
     for (int64_t b = 0; b < (lens[s] + BS - 1) / BS; ++b)
       TORCH_CHECK(bt[s * W + b] >= 0 && bt[s * W + b] < NB, "block ", bt[s * W + b], " is outside the pool of ", NB);
   }
-  for (int64_t s = 0; s < S; ++s) {  // the new keys and values, KV * D floats each, at their slots
+  qp = q.data_ptr<float>(), kn = k.data_ptr<float>(), vn = v.data_ptr<float>();
+  kp = k_pool.data_ptr<float>(), vp = v_pool.data_ptr<float>();
+  for (int64_t s = 0; s < S; ++s) keys += lens[s];
+}
+
+void PagedDecode::store(int64_t s0, int64_t s1) const {  // the new keys and values, KV * D floats each, at their slots
+  for (int64_t s = s0; s < s1; ++s) {
     if (lens[s] == 0) continue;  // a padding row
     const int64_t t = lens[s] - 1, slot = bt[s * W + t / BS] * BS + t % BS;
-    std::copy_n(k.data_ptr<float>() + s * KV * D, KV * D, k_pool.data_ptr<float>() + slot * KV * D);
-    std::copy_n(v.data_ptr<float>() + s * KV * D, KV * D, v_pool.data_ptr<float>() + slot * KV * D);
+    std::copy_n(kn + s * KV * D, KV * D, kp + slot * KV * D);
+    std::copy_n(vn + s * KV * D, KV * D, vp + slot * KV * D);
   }
-  at::Tensor out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
-  int64_t keys = 0;
-  for (int64_t s = 0; s < S; ++s) keys += lens[s];
-  // (sequence, head) pairs per task: ~64K multiply-adds each, so a short step runs in this thread alone
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) * S / std::max<int64_t>(1, 2 * keys * D));
-  float* op = out.data_ptr<float>();
+}
+
+void PagedDecode::attend(int64_t i0, int64_t i1, float* out, bool simd) const {
+  thread_local std::vector<float> p;  // each thread's, reused from call to call: no allocation a task
+  thread_local std::vector<int64_t> rows;  // where sequence s's keys start in the pools, found once per task,
+  int64_t rows_of = -1;  // not per key and head (the division t / BS costs more than the key's arithmetic)
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t G = H / KV;
-  at::parallel_for(0, S * H, grain, [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> p;  // each thread's, reused from call to call: no allocation a task
-    thread_local std::vector<int64_t> rows;  // where sequence s's keys start in the pools, found once per task,
-    int64_t rows_of = -1;  // not per key and head (the division t / BS costs more than the key's arithmetic)
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t s = i / H, kvh = (i % H) / G, len = lens[s];
-      if (s != rows_of) {
-        rows.resize(len);
-        for (int64_t t = 0; t < len; ++t) rows[t] = (bt[s * W + t / BS] * BS + t % BS) * KV * D;
-        rows_of = s;
-      }
-      if (len == 0) {  // a padding row
-        std::fill(op + i * D, op + (i + 1) * D, 0.f);
-        continue;
-      }
-      p.resize(len);
-#ifdef __AVX2__
-      if (simd && D == 64) {
-        attend_head<8>(qp + i * D, kp + kvh * D, vp + kvh * D, rows.data(), len, scale, p.data(), op + i * D);
-        continue;
-      }
-#endif
-      attend_head_any(qp + i * D, kp + kvh * D, vp + kvh * D, rows.data(), len, D, scale, p.data(), op + i * D, simd);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t s = i / H, kvh = (i % H) / G, len = lens[s];
+    if (s != rows_of) {
+      rows.resize(len);
+      for (int64_t t = 0; t < len; ++t) rows[t] = (bt[s * W + t / BS] * BS + t % BS) * KV * D;
+      rows_of = s;
     }
-  });
+    if (len == 0) {  // a padding row
+      std::fill(out + i * D, out + (i + 1) * D, 0.f);
+      continue;
+    }
+    p.resize(len);
+#ifdef __AVX2__
+    if (simd && D == 64) {
+      attend_head<8>(qp + i * D, kp + kvh * D, vp + kvh * D, rows.data(), len, scale, p.data(), out + i * D);
+      continue;
+    }
+#endif
+    attend_head_any(qp + i * D, kp + kvh * D, vp + kvh * D, rows.data(), len, D, scale, p.data(), out + i * D, simd);
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
+                            at::Tensor& v_pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            bool simd) {
+  const PagedDecode a(q, k, v, k_pool, v_pool, block_tables, context_lens);
+  a.store(0, a.S);
+  at::Tensor out = at::empty_like(q);
+  float* op = out.data_ptr<float>();
+  // (sequence, head) pairs per task: ~64K multiply-adds each, so a short step runs in this thread alone
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) * a.S / std::max<int64_t>(1, 2 * a.keys * a.D));
+  at::parallel_for(0, a.S * a.H, grain, [&](int64_t i0, int64_t i1) { a.attend(i0, i1, op, simd); });
   return out;
 }
 

@@ -1,6 +1,11 @@
 // The q8 kernels: the activations rounded to int8 per group of 32 and integer products, as llama.cpp does,
 // with the weights interleaved in blocks of 4 rows (enginelib.speed.cpu_kernels.int8q8_linear, int4q8_linear).
+#include "attention.h"
 #include "common.h"
+
+#include <omp.h>
+
+#include <atomic>
 
 namespace {
 
@@ -476,6 +481,7 @@ void q8_tiles(int64_t M, int64_t b0, int64_t b1, A... args) {
 struct RoundedX {
   int8_t* qx;
   float *dx, *xsum;
+  RoundedX(int8_t* codes, float* scales, float* sums) : qx(codes), dx(scales), xsum(sums) {}  // a caller's buffer
   RoundedX(const at::Tensor& x, bool simd) {
     const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
     TORCH_CHECK(K % GROUP == 0, "the q8 kernels need K to be a multiple of ", GROUP, ", got ", K);
@@ -497,58 +503,69 @@ void check_rows(const at::Tensor& w, int64_t rows, int64_t bytes) {
 // Output blocks per task: at least ~64K weights, as grain() above
 int64_t block_grain(int64_t K) { return std::max<int64_t>(1, grain(K) / ROWS); }
 
-// y [M, N] = x W^T for x already rounded (r), W int8 in blocks of ROWS rows; scale: one float32 per row (sp),
-// or one float16 per group of 32 (gp: q8_0); the threads split W's blocks
-void int8q8_into(const RoundedX& r, int64_t M, const int8_t* qp, const float* sp, const uint16_t* gp, int64_t blocks,
-                 float* yp, int64_t N, int64_t K, int64_t path) {
+// y [M, N] = x W^T over W's blocks b0:b1, for x already rounded (r), W int8 in blocks of ROWS rows; scale: one
+// float32 per row (sp), or one float16 per group of 32 (gp: q8_0)
+void int8q8_blocks(const RoundedX& r, int64_t M, const int8_t* qp, const float* sp, const uint16_t* gp, float* yp,
+                   int64_t N, int64_t K, int64_t path, int64_t b0, int64_t b1) {
   const int8_t* qx = r.qx;
   const float* dx = r.dx;
   const bool per_group = gp != nullptr;
-  at::parallel_for(0, blocks, block_grain(K), [&](int64_t b0, int64_t b1) {
-    switch (path) {
+  switch (path) {
 #ifdef Q8_VNNI512
-      case AVX512_VNNI:
-        if (per_group) q8_tiles<Int8Q8Tile512<true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
-        else q8_tiles<Int8Q8Tile512<false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
-        return;
+    case AVX512_VNNI:
+      if (per_group) q8_tiles<Int8Q8Tile512<true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+      else q8_tiles<Int8Q8Tile512<false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+      return;
 #endif
 #ifdef Q8_VNNI256
-      case AVX2_VNNI:
-        if (per_group) q8_tiles<Int8Q8Tile<true, true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
-        else q8_tiles<Int8Q8Tile<false, true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
-        return;
+    case AVX2_VNNI:
+      if (per_group) q8_tiles<Int8Q8Tile<true, true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+      else q8_tiles<Int8Q8Tile<false, true>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+      return;
 #endif
 #ifdef __AVX2__
-      case AVX2:
-        if (per_group) q8_tiles<Int8Q8Tile<true, false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
-        else q8_tiles<Int8Q8Tile<false, false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
-        return;
+    case AVX2:
+      if (per_group) q8_tiles<Int8Q8Tile<true, false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+      else q8_tiles<Int8Q8Tile<false, false>>(M, b0, b1, qx, dx, qp, sp, gp, yp, N, K);
+      return;
 #endif
-      default:
-        int8q8_plain(qx, dx, qp, sp, gp, yp, M, N, K, b0, b1);
-    }
-  });
+    default:
+      int8q8_plain(qx, dx, qp, sp, gp, yp, M, N, K, b0, b1);
+  }
 }
 
 // the same for int4 codes with a float16 scale and minimum per group of 32
-void int4q8_into(const RoundedX& r, int64_t M, const uint8_t* cp, const uint16_t* sp, const uint16_t* mp,
-                 int64_t blocks, float* yp, int64_t N, int64_t K, int64_t path) {
+void int4q8_blocks(const RoundedX& r, int64_t M, const uint8_t* cp, const uint16_t* sp, const uint16_t* mp, float* yp,
+                   int64_t N, int64_t K, int64_t path, int64_t b0, int64_t b1) {
   const int8_t* qx = r.qx;
   const float* dx = r.dx;
   const float* xs = r.xsum;
-  at::parallel_for(0, blocks, block_grain(K), [&](int64_t b0, int64_t b1) {
-    switch (path) {
+  switch (path) {
 #ifdef Q8_VNNI512
-      case AVX512_VNNI: q8_tiles<Int4Q8Tile512>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return;
+    case AVX512_VNNI: q8_tiles<Int4Q8Tile512>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return;
 #endif
 #ifdef Q8_VNNI256
-      case AVX2_VNNI: q8_tiles<Int4Q8Tile<true>>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return;
+    case AVX2_VNNI: q8_tiles<Int4Q8Tile<true>>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return;
 #endif
 #ifdef __AVX2__
-      case AVX2: q8_tiles<Int4Q8Tile<false>>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return;
+    case AVX2: q8_tiles<Int4Q8Tile<false>>(M, b0, b1, qx, dx, xs, cp, sp, mp, yp, N, K); return;
 #endif
-      default: int4q8_plain(qx, dx, xs, cp, sp, mp, yp, M, N, K, b0, b1);
-    }
+    default: int4q8_plain(qx, dx, xs, cp, sp, mp, yp, M, N, K, b0, b1);
+  }
+}
+
+// Either over all of W's blocks, the threads splitting them
+void int8q8_into(const RoundedX& r, int64_t M, const int8_t* qp, const float* sp, const uint16_t* gp, int64_t blocks,
+                 float* yp, int64_t N, int64_t K, int64_t path) {
+  at::parallel_for(0, blocks, block_grain(K), [&](int64_t b0, int64_t b1) {
+    int8q8_blocks(r, M, qp, sp, gp, yp, N, K, path, b0, b1);
+  });
+}
+
+void int4q8_into(const RoundedX& r, int64_t M, const uint8_t* cp, const uint16_t* sp, const uint16_t* mp,
+                 int64_t blocks, float* yp, int64_t N, int64_t K, int64_t path) {
+  at::parallel_for(0, blocks, block_grain(K), [&](int64_t b0, int64_t b1) {
+    int4q8_blocks(r, M, cp, sp, mp, yp, N, K, path, b0, b1);
   });
 }
 
@@ -600,13 +617,27 @@ at::Tensor int4q8_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 
 // ---------------------------------------------------------------- a whole decode step in one call
 
-// The residual stream's RMSNorm (x * rsqrt(mean(x^2) + eps) * w, in float32), row by row: [M, D] -> out
-void rms_norm(const float* x, const float* w, float* out, int64_t M, int64_t D, float eps) {
+// The residual stream's RMSNorm (x * rsqrt(mean(x^2) + eps) * w, in float32), row by row: [M, D] -> out. The sum
+// of squares in 16 lanes (simd): one float sum in order waits on each add, ~0.6 us a row of 576, 61 rows a step.
+void rms_norm(const float* x, const float* w, float* out, int64_t M, int64_t D, float eps, bool simd) {
   for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * D;
     float ss = 0.f;
-    for (int64_t i = 0; i < D; ++i) ss += x[m * D + i] * x[m * D + i];
+    int64_t i = 0;
+#ifdef __AVX2__
+    if (simd) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      for (; i + 16 <= D; i += 16) {
+        const __m256 v0 = _mm256_loadu_ps(xm + i), v1 = _mm256_loadu_ps(xm + i + 8);
+        a0 = fmadd(v0, v0, a0);
+        a1 = fmadd(v1, v1, a1);
+      }
+      ss = hsum(_mm256_add_ps(a0, a1));
+    }
+#endif
+    for (; i < D; ++i) ss += xm[i] * xm[i];
     const float r = 1.f / std::sqrt(ss / float(D) + eps);
-    for (int64_t i = 0; i < D; ++i) out[m * D + i] = x[m * D + i] * r * w[i];
+    for (i = 0; i < D; ++i) out[m * D + i] = xm[i] * r * w[i];
   }
 }
 
@@ -635,35 +666,112 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
-// The int4 layer at weights[i..i+2] (codes, scales, minimums) times x [M, K] -> y [M, N]
-void int4_layer(at::TensorList w, int64_t i, const at::Tensor& x, at::Tensor& y, int64_t path) {
-  const at::Tensor &codes = w[i], &scale = w[i + 1], &minimum = w[i + 2];
-  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
-  check_int4(codes, scale, minimum, N);
-  TORCH_CHECK(codes.size(1) * GROUP == K, "layer weight ", i, " takes ", codes.size(1) * GROUP, " inputs, not ", K);
-  const RoundedX r(x, path != PLAIN);
-  int4q8_into(r, M, codes.data_ptr<uint8_t>(), halves(scale), halves(minimum), codes.size(0), y.data_ptr<float>(),
-              N, K, path);
+// The int4 layer at weights[i..i+2] (codes, scales, minimums), N outputs of K inputs, checked before the step's
+// threads start (they must not throw)
+struct Int4Weight {
+  const uint8_t* codes;
+  const uint16_t *scale, *minimum;
+  int64_t blocks, N, K;
+};
+
+Int4Weight int4_weight(at::TensorList w, int64_t i, int64_t N, int64_t K) {
+  check_int4(w[i], w[i + 1], w[i + 2], N);
+  TORCH_CHECK(w[i].size(1) * GROUP == K, "layer weight ", i, " takes ", w[i].size(1) * GROUP, " inputs, not ", K);
+  return {w[i].data_ptr<uint8_t>(), halves(w[i + 1]), halves(w[i + 2]), w[i].size(0), N, K};
 }
 
-}  // namespace
+// Thread t's share of n items split among n threads in at most ceil(n / grain) pieces, as parallel_for splits them
+inline std::pair<int64_t, int64_t> share(int64_t t, int64_t n, int64_t items, int64_t grain) {
+  const int64_t T = std::min(n, std::max<int64_t>(1, (items + grain - 1) / grain)), per = (items + T - 1) / T;
+  const int64_t b0 = std::min(items, t * per);
+  return {b0, t < T ? std::min(items, b0 + per) : b0};
+}
 
-// in attention.cpp: writes the step's keys and values into the pools, then attends over them
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
-                            at::Tensor& v_pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            bool simd);
+// The likeliest of (logit, column) a and b, b's columns after a's: the larger logit, a NaN before any number, a on
+// ties (a column of -1: none)
+inline std::pair<float, int64_t> better(std::pair<float, int64_t> a, std::pair<float, int64_t> b) {
+  if (b.second < 0 || std::isnan(a.first)) return a.second < 0 ? b : a;
+  return a.second < 0 || std::isnan(b.first) || b.first > a.first ? b : a;
+}
 
-namespace {
+// Row y's likeliest column in c0:c1 (-1 if none), as better() orders them: its largest value, then where it first is
+std::pair<float, int64_t> argmax(const float* y, int64_t c0, int64_t c1) {
+  float mx = -INFINITY;
+  bool nan = false;
+  int64_t c = c0;
+#ifdef __AVX2__
+  __m256 m8 = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+  for (; c + 8 <= c1; c += 8) {
+    const __m256 v = _mm256_loadu_ps(y + c);
+    m8 = _mm256_max_ps(m8, v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  for (const float f : lanes) mx = std::max(mx, f);
+  nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+  for (; c < c1; ++c) {
+    if (std::isnan(y[c])) nan = true;
+    else mx = std::max(mx, y[c]);
+  }
+  c = c0;
+#ifdef __AVX2__
+  const __m256 target = _mm256_set1_ps(mx);
+  for (; !nan && c + 8 <= c1; c += 8)
+    if (const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(y + c), target, _CMP_EQ_OQ)))
+      return {mx, c + __builtin_ctz(hit)};
+#endif
+  for (; c < c1; ++c)
+    if (nan ? std::isnan(y[c]) : y[c] == mx) return {y[c], c};
+  return {NAN, -1};
+}
+
+// Where the one-call step's threads meet between its phases: each spins on one counter until all have come. A
+// parallel region a phase (what parallel_for opens) cost ~1.5 us a fork and join in the step on a 2-core Xeon
+// (libgomp makes two futex calls each), this ~0.2 us; a step meets ~210 times.
+struct SpinBarrier {
+  alignas(64) std::atomic<int64_t> arrived{0};
+  alignas(64) std::atomic<int64_t> generation{0};
+  void wait(int64_t n) {
+    if (n == 1) return;
+    const int64_t g = generation.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {  // the last: open it for all
+      arrived.store(0, std::memory_order_relaxed);
+      generation.store(g + 1, std::memory_order_release);
+    } else {
+      while (generation.load(std::memory_order_acquire) == g) {
+#ifdef __AVX2__
+        _mm_pause();  // a spinning thread yields the core's resources a moment
+#endif
+      }
+    }
+  }
+};
+
+// The one-call step's weights, in its order (below), held once for the model's life and passed to each step as one
+// object: as a list, the 424 tensors of SmolLM2-135M took ~35 us a call to convert (~75 with cold caches).
+struct DecodeWeights : torch::CustomClassHolder {
+  std::vector<at::Tensor> tensors;
+  explicit DecodeWeights(std::vector<at::Tensor> weights) : tensors(std::move(weights)) {}
+};
 
 // One decode step of a LLaMA-family model with int4 layers and an int8 or q8_0 head, every sequence one new token
 // (enginelib.speed.fused_step): the whole forward pass in C++, as llama.cpp runs its graph, with none of a compiled
 // graph's per-operator costs (a dispatcher call, tensor handles and an allocation per operator, Python around it).
 // weights: embedding [V, D] float32, final norm [D], head (codes, scale), then per layer 14 tensors: input norm,
-// qkv (codes, scales, minimums), o, post-attention norm, gate_up, down. Returns the logits [M, V].
-at::Tensor q8_decode_step(const at::Tensor& token_ids, const at::Tensor& positions, const at::Tensor& block_tables,
+// qkv (codes, scales, minimums), o, post-attention norm, gate_up, down. Returns the logits [M, V] and each row's
+// argmax [M], which the threads take as they write the logits (from their caches, not across the cores).
+//
+// Its threads run in one parallel region, as llama.cpp's do: each thread runs every phase on its share (a
+// matvec's blocks, the attention's heads, the rows of RoPE, the groups of SwiGLU) and they meet at a barrier
+// between phases. Each keeps its own copy of the residual stream and rounds its own norms' outputs (the same
+// bits in every thread), so a norm needs no meeting of its own.
+std::tuple<at::Tensor, at::Tensor> q8_decode_step(const at::Tensor& token_ids, const at::Tensor& positions, const at::Tensor& block_tables,
                           const at::Tensor& context_lens, at::Tensor& k_pools, at::Tensor& v_pools,
-                          at::TensorList weights, int64_t num_heads, int64_t num_kv_heads, double eps, double theta,
-                          int64_t asked) {
+                          const c10::intrusive_ptr<DecodeWeights>& held, int64_t num_heads, int64_t num_kv_heads,
+                          double eps, double theta, int64_t asked) {
+  const at::TensorList weights = held->tensors;
   constexpr int64_t PER_LAYER = 14;
   const int64_t L = k_pools.size(0), M = token_ids.numel(), Dh = k_pools.size(4);
   TORCH_CHECK(int64_t(weights.size()) == 4 + PER_LAYER * L, "q8_decode_step takes ", 4 + PER_LAYER * L,
@@ -674,26 +782,32 @@ at::Tensor q8_decode_step(const at::Tensor& token_ids, const at::Tensor& positio
   const at::Tensor& embed = weights[0];
   TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.is_contiguous(),
               "the embedding must be contiguous float32 [V, D]");
-  const int64_t V = embed.size(0), D = embed.size(1), H = num_heads, KV = num_kv_heads;
+  const int64_t V = embed.size(0), D = embed.size(1), H = num_heads, KV = num_kv_heads, QKV = (H + 2 * KV) * Dh;
   auto check_norm = [&](int64_t n) {  // read D floats each, unchecked below
     TORCH_CHECK(weights[n].scalar_type() == at::kFloat && weights[n].numel() == D && weights[n].is_contiguous(),
                 "weight ", n, " must be a norm: contiguous float32 [", D, "]");
   };
   check_norm(1);
-  for (int64_t n = 4; n < 4 + PER_LAYER * L; n += PER_LAYER) {  // each layer's two
-    check_norm(n);
-    check_norm(n + 7);
+  const int64_t I = weights[4 + 11].size(1) * GROUP;  // down's inputs: the intermediate size
+  std::vector<Int4Weight> linears;  // each layer's qkv, o, gate_up, down
+  for (int64_t w = 4; w < 4 + PER_LAYER * L; w += PER_LAYER) {
+    check_norm(w);
+    check_norm(w + 7);
+    for (const Int4Weight& lw : {int4_weight(weights, w + 1, QKV, D), int4_weight(weights, w + 4, D, H * Dh),
+                                 int4_weight(weights, w + 8, 2 * I, D), int4_weight(weights, w + 11, D, I)})
+      linears.push_back(lw);
   }
+  const at::Tensor &head = weights[2], &head_scale = weights[3];
+  const bool per_group = check_int8(head, head_scale, V);
+  TORCH_CHECK(head.size(1) * GROUP == D, "the head takes ", head.size(1) * GROUP, " inputs, not ", D);
   const int64_t path = q8_path(asked);
+  const bool simd = path != PLAIN;
   const float e = float(eps);
   const auto f32 = embed.options();
   const int64_t* ids = token_ids.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
-  at::Tensor x = at::empty({M, D}, f32), h = at::empty({M, D}, f32), y = at::empty({M, D}, f32);
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(ids[m] >= 0 && ids[m] < V, "token id ", ids[m], " is outside the vocabulary of ", V);
-    std::copy_n(embed.data_ptr<float>() + ids[m] * D, D, x.data_ptr<float>() + m * D);
-  }
   std::vector<float> cos(M * Dh / 2), sin(M * Dh / 2);  // each row's angles, the same in every layer
   for (int64_t i = 0; i < Dh / 2; ++i) {
     const float inv_freq = 1.f / std::pow(float(theta), float(2 * i) / float(Dh));
@@ -702,41 +816,109 @@ at::Tensor q8_decode_step(const at::Tensor& token_ids, const at::Tensor& positio
       sin[m * Dh / 2 + i] = std::sin(float(pos[m]) * inv_freq);
     }
   }
-  const int64_t I = weights[4 + 11].size(1) * GROUP, I2 = 2 * I;  // down's inputs: the intermediate size
-  at::Tensor qkv = at::empty({M, (H + 2 * KV) * Dh}, f32), q = at::empty({M, H, Dh}, f32);
-  at::Tensor k = at::empty({M, KV, Dh}, f32), v = at::empty({M, KV, Dh}, f32);
-  at::Tensor gu = at::empty({M, I2}, f32), act = at::empty({M, I}, f32);
-  float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
-  for (int64_t l = 0; l < L; ++l) {  // each layer: attention, then the MLP, each added to the residual stream x
-    const int64_t w = 4 + PER_LAYER * l;
-    rms_norm(xp, weights[w].data_ptr<float>(), hp, M, D, e);
-    int4_layer(weights, w + 1, h, qkv, path);  // q, k and v in one matvec
-    for (int64_t m = 0; m < M; ++m) {  // q and k turned, then q, k, v apart as the attention takes them
-      float* row = qkv.data_ptr<float>() + m * (H + 2 * KV) * Dh;
-      for (int64_t hd = 0; hd < H + KV; ++hd) rope(row + hd * Dh, cos.data() + m * Dh / 2, sin.data() + m * Dh / 2, Dh);
-      std::copy_n(row, H * Dh, q.data_ptr<float>() + m * H * Dh);
-      std::copy_n(row + H * Dh, KV * Dh, k.data_ptr<float>() + m * KV * Dh);
-      std::copy_n(row + (H + KV) * Dh, KV * Dh, v.data_ptr<float>() + m * KV * Dh);
+  at::Tensor qkv = at::empty({M, QKV}, f32), q = at::empty({M, H, Dh}, f32), attn = at::empty({M, H, Dh}, f32);
+  at::Tensor k = at::empty({M, KV, Dh}, f32), v = at::empty({M, KV, Dh}, f32), y = at::empty({M, D}, f32);
+  at::Tensor gu = at::empty({M, 2 * I}, f32), act = at::empty({M, I}, f32), logits = at::empty({M, V}, f32);
+  at::Tensor k0 = k_pools.select(0, 0), v0 = v_pools.select(0, 0);
+  const PagedDecode first_layer(q, k, v, k0, v0, block_tables, context_lens);  // checks the tables once
+  const int64_t layer_floats = k0.numel();
+  float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+  float *vp = v.data_ptr<float>(), *attnp = attn.data_ptr<float>(), *yp = y.data_ptr<float>();
+  float *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>(), *logitsp = logits.data_ptr<float>();
+  const float* embedp = embed.data_ptr<float>();
+  // the attention's and SwiGLU's outputs rounded (shared: each thread rounds its share's groups), and each
+  // thread's own residual stream x, its norm h and h rounded
+  const int64_t KMAX = std::max(H * Dh, I), DG = D / GROUP;
+  std::vector<float> shared(M * KMAX / 4 + 2 * M * (KMAX / GROUP));
+  const RoundedX rounded(reinterpret_cast<int8_t*>(shared.data()), shared.data() + M * KMAX / 4,
+                         shared.data() + M * KMAX / 4 + M * (KMAX / GROUP));
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t own_floats = 2 * M * D + M * D / 4 + 2 * M * DG;
+  std::vector<float> own(threads * own_floats);
+  at::Tensor tokens = at::empty({M}, token_ids.options());
+  std::vector<std::pair<float, int64_t>> best(threads * M, {NAN, -1});  // each thread's (logit, column) a row
+  SpinBarrier barrier;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+    float *x = own.data() + t * own_floats, *h = x + M * D;
+    const RoundedX hr(reinterpret_cast<int8_t*>(h + M * D), h + M * D + M * D / 4, h + M * D + M * D / 4 + M * DG);
+    auto norm = [&](const float* w) {  // h = RMSNorm(x) * w, rounded into hr
+      rms_norm(x, w, h, M, D, e, simd);
+      quantize_x(h, hr.qx, hr.dx, hr.xsum, M * DG, simd);
+    };
+    auto residual = [&] {
+      for (int64_t i = 0; i < M * D; ++i) x[i] += yp[i];
+    };
+    auto int4 = [&](const Int4Weight& w, const RoundedX& in, float* out) {  // this thread's blocks of out = in W^T
+      const auto [b0, b1] = share(t, n, w.blocks, block_grain(w.K));
+      if (b0 < b1) int4q8_blocks(in, M, w.codes, w.scale, w.minimum, out, w.N, w.K, path, b0, b1);
+    };
+    const auto [m0, m1] = share(t, n, M, 1);
+    const auto [i0, i1] = share(t, n, M * H, 1);  // (sequence, head) pairs
+    const auto [g0, g1] = share(t, n, M * I / GROUP, 1);  // SwiGLU's groups of 32
+    for (int64_t m = 0; m < M; ++m) std::copy_n(embedp + ids[m] * D, D, x + m * D);
+    for (int64_t l = 0; l < L; ++l) {  // each layer: attention, then the MLP, each added to the residual stream x
+      const int64_t w = 4 + PER_LAYER * l;
+      const Int4Weight* lw = linears.data() + 4 * l;
+      if (l > 0) residual();  // the last layer's MLP
+      norm(weights[w].data_ptr<float>());
+      int4(lw[0], hr, qkvp);  // q, k and v in one matvec
+      barrier.wait(n);
+      PagedDecode attention = first_layer;  // this layer's pools
+      attention.kp += l * layer_floats;
+      attention.vp += l * layer_floats;
+      for (int64_t m = m0; m < m1; ++m) {  // q and k turned, q, k, v apart as the attention takes them
+        float* row = qkvp + m * QKV;
+        for (int64_t hd = 0; hd < H + KV; ++hd) rope(row + hd * Dh, cos.data() + m * Dh / 2, sin.data() + m * Dh / 2, Dh);
+        std::copy_n(row, H * Dh, qp + m * H * Dh);
+        std::copy_n(row + H * Dh, KV * Dh, kp + m * KV * Dh);
+        std::copy_n(row + (H + KV) * Dh, KV * Dh, vp + m * KV * Dh);
+      }
+      attention.store(m0, m1);
+      barrier.wait(n);
+      attention.attend(i0, i1, attnp, simd);
+      if (Dh % GROUP == 0) {  // this thread's heads rounded, Dh / 32 groups each
+        quantize_x(attnp + i0 * Dh, rounded.qx + i0 * Dh, rounded.dx + i0 * Dh / GROUP,
+                   rounded.xsum + i0 * Dh / GROUP, (i1 - i0) * Dh / GROUP, simd);
+      } else {  // a head's groups span heads: its rows, once all heads are in
+        const int64_t G = H * Dh / GROUP;
+        barrier.wait(n);
+        quantize_x(attnp + m0 * H * Dh, rounded.qx + m0 * H * Dh, rounded.dx + m0 * G, rounded.xsum + m0 * G,
+                   (m1 - m0) * G, simd);
+      }
+      barrier.wait(n);
+      int4(lw[1], rounded, yp);  // o_proj
+      barrier.wait(n);
+      residual();  // the attention's
+      norm(weights[w + 7].data_ptr<float>());
+      int4(lw[2], hr, gup);  // gate and up in one matvec
+      barrier.wait(n);
+      for (int64_t g = g0; g < g1; ++g) {  // SwiGLU, a group of 32 at a time, each rounded
+        const int64_t m = g / (I / GROUP), j = g % (I / GROUP) * GROUP;
+        silu_mul(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + m * I + j, GROUP);
+      }
+      quantize_x(actp + g0 * GROUP, rounded.qx + g0 * GROUP, rounded.dx + g0, rounded.xsum + g0, g1 - g0, simd);
+      barrier.wait(n);
+      int4(lw[3], rounded, yp);  // down_proj
+      barrier.wait(n);
     }
-    at::Tensor kp = k_pools.select(0, l), vp = v_pools.select(0, l);
-    const at::Tensor attn = decode_attention(q, k, v, kp, vp, block_tables, context_lens, true).view({M, H * Dh});
-    int4_layer(weights, w + 4, attn, y, path);  // o_proj
-    for (int64_t i = 0; i < M * D; ++i) xp[i] += yp[i];  // the attention's residual
-    rms_norm(xp, weights[w + 7].data_ptr<float>(), hp, M, D, e);
-    int4_layer(weights, w + 8, h, gu, path);  // gate and up in one matvec
-    for (int64_t m = 0; m < M; ++m)
-      silu_mul(gu.data_ptr<float>() + m * I2, gu.data_ptr<float>() + m * I2 + I, act.data_ptr<float>() + m * I, I);
-    int4_layer(weights, w + 11, act, y, path);  // down_proj
-    for (int64_t i = 0; i < M * D; ++i) xp[i] += yp[i];  // the MLP's residual
+    residual();
+    norm(weights[1].data_ptr<float>());
+    const auto [b0, b1] = share(t, n, head.size(0), block_grain(D));
+    if (b0 < b1)
+      int8q8_blocks(hr, M, head.data_ptr<int8_t>(), per_group ? nullptr : head_scale.data_ptr<float>(),
+                    per_group ? halves(head_scale) : nullptr, logitsp, V, D, path, b0, b1);
+    for (int64_t m = 0; m < M; ++m)  // each row's likeliest among the logits this thread just wrote
+      best[t * M + m] = argmax(logitsp + m * V, std::min(V, b0 * ROWS), std::min(V, b1 * ROWS));
   }
-  rms_norm(xp, weights[1].data_ptr<float>(), hp, M, D, e);
-  const at::Tensor &head = weights[2], &head_scale = weights[3];
-  const bool per_group = check_int8(head, head_scale, V);
-  at::Tensor logits = at::empty({M, V}, f32);
-  const RoundedX r(h, path != PLAIN);
-  int8q8_into(r, M, head.data_ptr<int8_t>(), per_group ? nullptr : head_scale.data_ptr<float>(),
-              per_group ? halves(head_scale) : nullptr, head.size(0), logits.data_ptr<float>(), V, D, path);
-  return logits;
+  int64_t* tokensp = tokens.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {  // the threads' columns in order: the first of ties wins, as numpy's argmax
+    std::pair<float, int64_t> b = best[m];
+    for (int64_t u = 1; u < threads; ++u) b = better(b, best[u * M + m]);
+    tokensp[m] = b.second;
+  }
+  return {logits, tokens};
 }
 
 }  // namespace
@@ -745,9 +927,10 @@ at::Tensor q8_decode_step(const at::Tensor& token_ids, const at::Tensor& positio
 TORCH_LIBRARY_FRAGMENT(enginelib, m) {
   m.def("q8_paths() -> str[]", &q8_paths);
   // a whole decode step (enginelib.speed.fused_step), called from Python only: no graph traces it
+  m.class_<DecodeWeights>("DecodeWeights").def(torch::init<std::vector<at::Tensor>>());
   m.def("q8_decode_step(Tensor token_ids, Tensor positions, Tensor block_tables, Tensor context_lens, "
-        "Tensor(a!) k_pools, Tensor(b!) v_pools, Tensor[] weights, int num_heads, int num_kv_heads, float eps, "
-        "float theta, int path=-1) -> Tensor", &q8_decode_step);
+        "Tensor(a!) k_pools, Tensor(b!) v_pools, __torch__.torch.classes.enginelib.DecodeWeights weights, "
+        "int num_heads, int num_kv_heads, float eps, float theta, int path=-1) -> (Tensor, Tensor)", &q8_decode_step);
 }
 
 TORCH_LIBRARY_IMPL(enginelib, CPU, m) {
