@@ -68,15 +68,26 @@ void attend_head_any(const float* qi, const float* ki, const float* vi, const in
 // The same for a head of DV * 8 floats, with the query and the output in registers: four keys' scores at
 // a time (four accumulators, summed across with three horizontal adds, not one full reduction per key),
 // then the output as DV accumulators that each value row is multiply-added into, written once at the end.
+// fetch (the first of its KV head's query heads here): the keys and values it reads lie in a far cache, evicted by the
+// weights a step streams; it asks for each key's row AHEAD keys early, and for each value's row with its key's.
+constexpr int64_t AHEAD = 8;
+
 template <int DV>
 void attend_head(const float* qi, const float* ki, const float* vi, const int64_t* rows, int64_t len, float scale,
-                 float* p, float* o) {
+                 float* p, float* o, bool fetch) {
   __m256 q[DV];
   for (int r = 0; r < DV; ++r) q[r] = _mm256_loadu_ps(qi + 8 * r);
   const __m128 sc = _mm_set1_ps(scale);
   __m128 mx4 = _mm_set1_ps(-INFINITY);
   int64_t t = 0;
+  for (int64_t j = 0; fetch && j < std::min(AHEAD, len); ++j)
+    for (int r = 0; r < DV; r += 2) _mm_prefetch(reinterpret_cast<const char*>(ki + rows[j] + 8 * r), _MM_HINT_T0);
   for (; t + 4 <= len; t += 4) {
+    for (int64_t j = t; fetch && j < t + 4; ++j)
+      for (int r = 0; r < DV; r += 2) {  // a 64-byte line holds 2 of the 8-float pieces
+        if (j + AHEAD < len) _mm_prefetch(reinterpret_cast<const char*>(ki + rows[j + AHEAD] + 8 * r), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vi + rows[j] + 8 * r), _MM_HINT_T0);
+      }
     const float *k0 = ki + rows[t], *k1 = ki + rows[t + 1], *k2 = ki + rows[t + 2], *k3 = ki + rows[t + 3];
     __m256 a0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(q[0], _mm256_loadu_ps(k1));
     __m256 a2 = _mm256_mul_ps(q[0], _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(q[0], _mm256_loadu_ps(k3));
@@ -163,6 +174,7 @@ void PagedDecode::attend(int64_t i0, int64_t i1, float* out, bool simd) const {
   const int64_t G = H / KV;
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t s = i / H, kvh = (i % H) / G, len = lens[s];
+    const bool first = i == i0 || i % H % G == 0;  // of its KV head's query heads, here
     if (s != rows_of) {
       rows.resize(len);
       for (int64_t t = 0; t < len; ++t) rows[t] = (bt[s * W + t / BS] * BS + t % BS) * KV * D;
@@ -175,7 +187,8 @@ void PagedDecode::attend(int64_t i0, int64_t i1, float* out, bool simd) const {
     p.resize(len);
 #ifdef __AVX2__
     if (simd && D == 64) {
-      attend_head<8>(qp + i * D, kp + kvh * D, vp + kvh * D, rows.data(), len, scale, p.data(), out + i * D);
+      attend_head<8>(qp + i * D, kp + kvh * D, vp + kvh * D, rows.data(), len, scale, p.data(), out + i * D,
+                      first);
       continue;
     }
 #endif
