@@ -4,8 +4,10 @@ matvecs, RoPE, paged attention and residuals in ``enginelib::q8_decode_step`` (c
 
 A compiled step (chapter 14) already runs its kernels from C++, but each of its 151 operator calls still goes
 through torch's dispatcher with fresh tensor handles and an output allocated, and Python builds the call's 430
-arguments each step. This step passes the weights as one object, made once, and allocates a handful of buffers.
-It serves decode steps only (one new token per sequence); the runner runs the others as before.
+arguments each step. This step passes the weights as one object, made once, and allocates a handful of buffers;
+its threads run the whole step in one parallel region, meeting at barriers between its phases (where each matvec
+would open and close its own), and note each row's argmax as they write the logits: the greedy token, returned
+beside them. It serves decode steps only (one new token per sequence); the runner runs the others as before.
 """
 from __future__ import annotations
 

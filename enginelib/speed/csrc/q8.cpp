@@ -554,7 +554,7 @@ void int4q8_blocks(const RoundedX& r, int64_t M, const uint8_t* cp, const uint16
   }
 }
 
-// Either over all of W's blocks, the threads splitting them
+// The same over all of W's blocks, split among the threads by parallel_for (a layer's own call, eager or compiled)
 void int8q8_into(const RoundedX& r, int64_t M, const int8_t* qp, const float* sp, const uint16_t* gp, int64_t blocks,
                  float* yp, int64_t N, int64_t K, int64_t path) {
   at::parallel_for(0, blocks, block_grain(K), [&](int64_t b0, int64_t b1) {
@@ -767,10 +767,11 @@ struct DecodeWeights : torch::CustomClassHolder {
 // matvec's blocks, the attention's heads, the rows of RoPE, the groups of SwiGLU) and they meet at a barrier
 // between phases. Each keeps its own copy of the residual stream and rounds its own norms' outputs (the same
 // bits in every thread), so a norm needs no meeting of its own.
-std::tuple<at::Tensor, at::Tensor> q8_decode_step(const at::Tensor& token_ids, const at::Tensor& positions, const at::Tensor& block_tables,
-                          const at::Tensor& context_lens, at::Tensor& k_pools, at::Tensor& v_pools,
-                          const c10::intrusive_ptr<DecodeWeights>& held, int64_t num_heads, int64_t num_kv_heads,
-                          double eps, double theta, int64_t asked) {
+std::tuple<at::Tensor, at::Tensor> q8_decode_step(
+    const at::Tensor& token_ids, const at::Tensor& positions, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, at::Tensor& k_pools, at::Tensor& v_pools,
+    const c10::intrusive_ptr<DecodeWeights>& held, int64_t num_heads, int64_t num_kv_heads, double eps, double theta,
+    int64_t asked) {
   const at::TensorList weights = held->tensors;
   constexpr int64_t PER_LAYER = 14;
   const int64_t L = k_pools.size(0), M = token_ids.numel(), Dh = k_pools.size(4);
@@ -870,7 +871,8 @@ std::tuple<at::Tensor, at::Tensor> q8_decode_step(const at::Tensor& token_ids, c
       attention.vp += l * layer_floats;
       for (int64_t m = m0; m < m1; ++m) {  // q and k turned, q, k, v apart as the attention takes them
         float* row = qkvp + m * QKV;
-        for (int64_t hd = 0; hd < H + KV; ++hd) rope(row + hd * Dh, cos.data() + m * Dh / 2, sin.data() + m * Dh / 2, Dh);
+        for (int64_t hd = 0; hd < H + KV; ++hd)
+          rope(row + hd * Dh, cos.data() + m * Dh / 2, sin.data() + m * Dh / 2, Dh);
         std::copy_n(row, H * Dh, qp + m * H * Dh);
         std::copy_n(row + H * Dh, KV * Dh, kp + m * KV * Dh);
         std::copy_n(row + (H + KV) * Dh, KV * Dh, vp + m * KV * Dh);
