@@ -14,9 +14,9 @@ from enginelib.core.outputs import TokenLogprob
 from enginelib.core.paged_cache import PagedKVCache
 from enginelib.core.request import Request
 from enginelib.core.scheduler import ScheduledWork, SchedulerOutput
-from enginelib.model.device import record_function
+from enginelib.model.device import greedy, record_function
 from enginelib.model.logits_processors import apply_history
-from enginelib.model.sampling import greedy, make_generator, sample, token_logprobs
+from enginelib.model.sampling import make_generator, sample, token_logprobs
 from enginelib.model.transformer import Transformer
 from enginelib.step.batch import Batch, SequenceWork, to_device
 from enginelib.step.parts import SpeedFactory, SpeedParts
@@ -107,21 +107,18 @@ class ModelRunner:
                                  prompt_rows(w))
                     for w in plan.scheduled]
             batch = Batch.build(seqs, self.cache.block_size, self.model.device)
-        argmax = None  # each row's, where the step took them as it wrote the logits (fused_step)
         with record_function("forward"):  # a step of prefill chunks only has no rows of logits
             if self.compiled is not None and not batch.num_prompt_rows and self.compiled.serves(batch):
                 logits = self.compiled(batch, self.cache)
-                if isinstance(logits, tuple):
-                    logits, argmax = logits
             else:
                 logits = self.model(batch.token_ids, self.cache.bind(batch), positions=batch.positions,
                                     logits_indices=batch.logits_indices)
+        logits, argmax = logits if isinstance(logits, tuple) else (logits, None)  # fused_step: each row's argmax too
         if batch.num_prompt_rows:  # the rows after the sampled ones: prompt logprobs (none in most steps)
             with record_function("prompt_logprobs"):
                 logits, extra = logits[:-batch.num_prompt_rows], logits[-batch.num_prompt_rows:]
                 self._prompt_logprobs(plan.scheduled, seqs, extra)
-        with record_function("sample"):
-            # every row is sampled on the device (argmax, or its own generator), then one transfer: one sync a step.
+        with record_function("sample"):  # every row on the device (argmax, or its own generator), one sync a step
             tokens = greedy(logits) if argmax is None else argmax
             sampling = [w for w in plan.scheduled if w.samples]
             rows, verdicts, failed = self._sample(sampling, logits, tokens)
