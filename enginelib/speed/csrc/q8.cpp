@@ -903,7 +903,7 @@ std::tuple<at::Tensor, at::Tensor> q8_decode_step(
       quantize_x(actp + g0 * GROUP, rounded.qx + g0 * GROUP, rounded.dx + g0, rounded.xsum + g0, g1 - g0, simd);
       barrier.wait(n);
       int4(lw[3], rounded, yp);  // down_proj
-      barrier.wait(n);
+      barrier.wait(n);  // the layer's output in y, whole, before any thread adds it
     }
     residual();
     norm(weights[1].data_ptr<float>());
