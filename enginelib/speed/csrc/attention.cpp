@@ -1,5 +1,6 @@
 // A decode step's attention over the paged KV cache, reading the keys where they lie
-// (enginelib.speed.cpu_kernels.decode_attention, and the compiled step's calls of the operator).
+// (enginelib.speed.cpu_kernels.decode_attention, the compiled step's calls of the operator, and the one-call
+// step's own threads, through PagedDecode: attention.h).
 #include "attention.h"
 #include "common.h"
 
@@ -69,7 +70,8 @@ void attend_head_any(const float* qi, const float* ki, const float* vi, const in
 // a time (four accumulators, summed across with three horizontal adds, not one full reduction per key),
 // then the output as DV accumulators that each value row is multiply-added into, written once at the end.
 // fetch (the first of its KV head's query heads here): the keys and values it reads lie in a far cache, evicted by the
-// weights a step streams; it asks for each key's row AHEAD keys early, and for each value's row with its key's.
+// weights a step streams; it asks for each key's row AHEAD keys early, and for each value's row as its key is
+// scored (a pass before the values are read).
 constexpr int64_t AHEAD = 8;
 
 template <int DV>
@@ -188,7 +190,7 @@ void PagedDecode::attend(int64_t i0, int64_t i1, float* out, bool simd) const {
 #ifdef __AVX2__
     if (simd && D == 64) {
       attend_head<8>(qp + i * D, kp + kvh * D, vp + kvh * D, rows.data(), len, scale, p.data(), out + i * D,
-                      first);
+                     first);
       continue;
     }
 #endif
