@@ -2,6 +2,7 @@
 block pool keeps its books straight under any schedule of arrivals and aborts."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from enginelib.core.paged_cache import PagedKVCache
 from enginelib.core.scheduler import SchedulerConfig
 from enginelib.model import ModelConfig, attention
 from enginelib.model.checks import check_greedy
-from enginelib.model.device import default_dtype
+from enginelib.model.device import HostBuffer, default_dtype
 from enginelib.model.sampling import SamplingParams
 
 from .conftest import tiny_tokenizer
@@ -106,6 +107,22 @@ def test_a_batch_crosses_to_the_device_in_one_copy():
     assert len({t.untyped_storage().data_ptr() for t in fields}) == 1
     assert batch.block_tables.tolist() == [[5, 2, 0], [1, 3, 6]]
     assert batch.positions.tolist() == [3, 4, 5, 9] and batch.logits_indices.tolist() == [2, 3]
+
+
+def test_a_cpu_batch_reuses_one_host_buffer_and_its_views():
+    """With a HostBuffer (the runner's on a CPU) the next step's batch is written into the same tensor, through the
+    same views when its sizes repeat: the numbers are the fresh batch's, and a buffer too small grows."""
+    host = HostBuffer(size=8)
+    seqs = [SequenceWork([7, 8, 9], 3, [5, 2]), SequenceWork([4], 9, [1, 3, 6])]
+    first = Batch.build(seqs, 4, host=host)
+    fresh = Batch.build(seqs, 4)
+    for got, want in zip(dataclasses.astuple(first), dataclasses.astuple(fresh)):
+        assert (got.tolist() if isinstance(got, torch.Tensor) else got) == \
+            (want.tolist() if isinstance(want, torch.Tensor) else want)
+    assert len(host.array) >= 20 and first.token_ids.untyped_storage().data_ptr() == host.tensor.data_ptr()
+    again = Batch.build([SequenceWork([1, 2, 3], 0, [4]), SequenceWork([5], 2, [0, 1, 2])], 4, host=host)
+    assert again.token_ids is first.token_ids and again.token_ids.tolist() == [1, 2, 3, 5]  # the same view, new values
+    assert again.block_tables.tolist() == [[4, 0, 0], [0, 1, 2]] and again.slot_mapping.tolist() == [16, 17, 18, 2]
 
 
 class _HostReads(torch.overrides.TorchFunctionMode):

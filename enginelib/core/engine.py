@@ -1,11 +1,9 @@
 """The engine loop: schedule, run the model, process the outputs. Requests may join at any step, also while others
-decode (continuous batching).
-
-Each part has its own module: the :class:`Scheduler` decides who computes what, the :class:`ModelRunner` turns that
-plan into tokens (and, with a speculative config, proposes guesses and verifies them), the :class:`OutputProcessor`
-turns tokens into text, stop strings and metrics. What goes wrong for one request alone (its sampling, its text) ends
-it with ``finish_reason="error"`` and the others go on; a failed step (the forward pass) raises.
-"""
+decode (continuous batching). Each part has its own module: the :class:`Scheduler` decides who computes what, the
+:class:`ModelRunner` turns that plan into tokens (and, with a speculative config, proposes guesses and verifies them),
+the :class:`OutputProcessor` turns tokens into text, stop strings and metrics. What goes wrong for one request alone
+(its sampling, its text) ends it with ``finish_reason="error"`` and the others go on; a failed step (the forward pass)
+raises."""
 from __future__ import annotations
 
 import logging

@@ -18,7 +18,7 @@ from enginelib.model.device import greedy, record_function
 from enginelib.model.logits_processors import apply_history
 from enginelib.model.sampling import make_generator, sample, token_logprobs
 from enginelib.model.transformer import Transformer
-from enginelib.step.batch import Batch, SequenceWork, to_device
+from enginelib.step.batch import Batch, HostBuffer, SequenceWork, to_device
 from enginelib.step.parts import SpeedFactory, SpeedParts
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class ModelRunner:
         self.model, self.config, self.eos = model, config, eos  # EOS: what min_tokens holds back
         self.structured = structured  # the grammars of requests with a structured_output: their token masks
         self.cache = PagedKVCache(model.cfg, num_blocks, config.block_size, device=model.device, dtype=model.dtype)
+        self.host = HostBuffer() if model.device.type == "cpu" else None  # each step's batch, on a CPU
         asks = any((config.cpu_decode_kernel, config.fused_step, config.speculative, config.compile))  # any part
         self.speed = self.speed_factory(model, config, self.cache) if asks else SpeedParts()
         self.cache.decode_kernel = self.speed.decode_kernel
@@ -106,7 +107,7 @@ class ModelRunner:
                                  + w.draft_token_ids, w.start, w.request.block_table, w.samples, len(w.draft_token_ids),
                                  prompt_rows(w))
                     for w in plan.scheduled]
-            batch = Batch.build(seqs, self.cache.block_size, self.model.device)
+            batch = Batch.build(seqs, self.cache.block_size, self.model.device, self.host)
         with record_function("forward"):  # a step of prefill chunks only has no rows of logits
             if self.compiled is not None and not batch.num_prompt_rows and self.compiled.serves(batch):
                 logits = self.compiled(batch, self.cache)

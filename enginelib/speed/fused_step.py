@@ -61,6 +61,9 @@ class FusedDecodeStep:
         self.tensors = [w.detach() for w in weights]
         self.weights = torch.classes.enginelib.DecodeWeights(self.tensors)  # passed as one object: no list to convert
         self.path = model.lm_head.prepared.path
+        # the operator's one overload, called directly: the packet's call looks through every argument for a
+        # stand-in of a torchbind object first (``DecodeWeights`` is one), a dozen checks a step
+        self.op = torch.ops.enginelib.q8_decode_step.default
         self.steps = 0  # decode steps run here: a test can tell them from eager ones
 
     def serves(self, batch: Batch) -> bool:
@@ -71,6 +74,6 @@ class FusedDecodeStep:
         batch.check_pool(cache.num_blocks)  # the kernel trusts the tables
         self.steps += 1
         cfg = self.model.cfg
-        return torch.ops.enginelib.q8_decode_step(
+        return self.op(
             batch.token_ids, batch.positions, batch.block_tables, batch.context_lens, cache.k, cache.v, self.weights,
             cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.rope_theta, self.path)

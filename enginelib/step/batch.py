@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from enginelib.model.device import to_device  # noqa: F401 (the core and the speed code import it from here too)
+from enginelib.model.device import HostBuffer, to_device  # noqa: F401 (the core, the speed code import them here)
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,9 @@ class Batch:
         return len(self.query_lens)
 
     @classmethod
-    def build(cls, seqs: list[SequenceWork], block_size: int, device: torch.device | str = "cpu") -> "Batch":
-        """Lay the work end to end: all of it is built on the host and crosses to ``device`` in one copy."""
+    def build(cls, seqs: list[SequenceWork], block_size: int, device: torch.device | str = "cpu",
+              host: HostBuffer | None = None) -> "Batch":
+        """Lay the work end to end, on the host: it crosses to ``device`` in one copy (or fills ``host``'s buffer)."""
         tokens, positions, slots, ends, extra = [], [], [], [], []
         lowest, highest = 0, -1
         for s in seqs:
@@ -67,10 +68,10 @@ class Batch:
         width = max(len(s.block_table) for s in seqs)
         tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
         context_lens = [s.start + len(s.token_ids) for s in seqs]
-        n, num_seqs = len(tokens), len(seqs)
-        flat = to_device(tokens + positions + slots + tables + context_lens + ends + extra, device)
-        token_ids, pos, slot_mapping, block_tables, lens, logits_indices = flat.split(
-            [n, n, n, num_seqs * width, num_seqs, len(ends) + len(extra)])
+        n, num_seqs, flat = len(tokens), len(seqs), tokens + positions + slots + tables + context_lens + ends + extra
+        sizes = (n, n, n, num_seqs * width, num_seqs, len(ends) + len(extra))
+        token_ids, pos, slot_mapping, block_tables, lens, logits_indices = \
+            host.write(flat, sizes) if host else to_device(flat, device).split(sizes)
         return cls(token_ids, pos, slot_mapping, block_tables.view(num_seqs, width), lens,
                    [len(s.token_ids) for s in seqs], logits_indices, len(extra), (lowest, highest))
 

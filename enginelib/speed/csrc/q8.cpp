@@ -5,7 +5,10 @@
 
 #include <omp.h>
 
+#include <array>
 #include <atomic>
+#include <memory>
+#include <mutex>
 
 namespace {
 
@@ -749,18 +752,75 @@ struct SpinBarrier {
   }
 };
 
-// The one-call step's weights, in its order (below), held once for the model's life and passed to each step as one
-// object: as a list, the 424 tensors of SmolLM2-135M took ~35 us a call to convert (~75 with cold caches).
+// The one-call step's weights as its loops read them: raw pointers, each tensor checked once.
+struct DecodeModel {
+  static constexpr int64_t PER_LAYER = 14;  // tensors a layer: 2 norms, 4 int4 matvecs of 3 tensors each
+  std::array<int64_t, 3> shape{-1, -1, -1};  // (num_heads, num_kv_heads, head_dim) it was checked for
+  int64_t V = 0, D = 0, I = 0;
+  const float *embed = nullptr, *final_norm = nullptr;
+  const int8_t* head = nullptr;  // head_blocks blocks of 4 rows
+  int64_t head_blocks = 0;
+  const float* head_scale = nullptr;  // int8: one scale a row; else q8_0: head_halves, one a group
+  const uint16_t* head_halves = nullptr;
+  std::vector<const float*> norms;  // each layer's input and post-attention norm
+  std::vector<Int4Weight> linears;  // each layer's qkv, o, gate_up, down
+
+  // weights: embedding [V, D] float32, final norm [D], head (codes, scale), then per layer 14 tensors: input norm,
+  // qkv (codes, scales, minimums), o, post-attention norm, gate_up, down
+  DecodeModel(at::TensorList weights, int64_t H, int64_t KV, int64_t Dh, int64_t L) : shape{H, KV, Dh} {
+    TORCH_CHECK(L > 0 && int64_t(weights.size()) == 4 + PER_LAYER * L, "q8_decode_step takes ", 4 + PER_LAYER * L,
+                " weights for ", L, " layers, got ", weights.size());
+    const at::Tensor& e = weights[0];
+    TORCH_CHECK(e.scalar_type() == at::kFloat && e.dim() == 2 && e.is_contiguous(),
+                "the embedding must be contiguous float32 [V, D]");
+    V = e.size(0), D = e.size(1), I = weights[4 + 11].size(1) * GROUP;  // I: down's inputs
+    auto norm = [&](int64_t n) {  // D floats each, read unchecked
+      TORCH_CHECK(weights[n].scalar_type() == at::kFloat && weights[n].numel() == D && weights[n].is_contiguous(),
+                  "weight ", n, " must be a norm: contiguous float32 [", D, "]");
+      return weights[n].data_ptr<float>();
+    };
+    embed = e.data_ptr<float>(), final_norm = norm(1);
+    const int64_t QKV = (H + 2 * KV) * Dh;
+    for (int64_t w = 4; w < 4 + PER_LAYER * L; w += PER_LAYER) {
+      norms.insert(norms.end(), {norm(w), norm(w + 7)});
+      for (const Int4Weight& lw : {int4_weight(weights, w + 1, QKV, D), int4_weight(weights, w + 4, D, H * Dh),
+                                   int4_weight(weights, w + 8, 2 * I, D), int4_weight(weights, w + 11, D, I)})
+        linears.push_back(lw);
+    }
+    const at::Tensor &q = weights[2], &scale = weights[3];
+    const bool per_group = check_int8(q, scale, V);
+    TORCH_CHECK(q.size(1) * GROUP == D, "the head takes ", q.size(1) * GROUP, " inputs, not ", D);
+    head = q.data_ptr<int8_t>(), head_blocks = q.size(0);
+    if (per_group) head_halves = halves(scale);
+    else head_scale = scale.data_ptr<float>();
+  }
+};
+
+// The one-call step's weights, in DecodeModel's order, held once for the model's life and passed to each step as
+// one object: as a list, the 424 tensors of SmolLM2-135M took ~35 us a call to convert (~75 with cold caches), and
+// checking them each step ~40 us more (cold: the last step's weights had pushed them out of the caches). So the
+// first step checks them, for its shape, and the rest use the pointers it kept (the holder keeps the tensors, and
+// so their memory, alive; none may be resized in place after).
 struct DecodeWeights : torch::CustomClassHolder {
   std::vector<at::Tensor> tensors;
   explicit DecodeWeights(std::vector<at::Tensor> weights) : tensors(std::move(weights)) {}
+
+  std::shared_ptr<const DecodeModel> checked(int64_t H, int64_t KV, int64_t Dh, int64_t L) {
+    const std::lock_guard<std::mutex> hold(lock);
+    if (!model || model->shape != std::array<int64_t, 3>{H, KV, Dh} || model->linears.size() != size_t(4 * L))
+      model = std::make_shared<const DecodeModel>(tensors, H, KV, Dh, L);
+    return model;
+  }
+
+ private:
+  std::mutex lock;
+  std::shared_ptr<const DecodeModel> model;
 };
 
 // One decode step of a LLaMA-family model with int4 layers and an int8 or q8_0 head, every sequence one new token
 // (enginelib.speed.fused_step): the whole forward pass in C++, as llama.cpp runs its graph, with none of a compiled
 // graph's per-operator costs (a dispatcher call, tensor handles and an allocation per operator, Python around it).
-// weights: embedding [V, D] float32, final norm [D], head (codes, scale), then per layer 14 tensors: input norm,
-// qkv (codes, scales, minimums), o, post-attention norm, gate_up, down. Returns the logits [M, V] and each row's
+// weights: the model's, in DecodeModel's order. Returns the logits [M, V] and each row's
 // argmax [M], which the threads take as they write the logits (from their caches, not across the cores).
 //
 // Its threads run in one parallel region, as llama.cpp's do: each thread runs every phase on its share (a
@@ -772,39 +832,17 @@ std::tuple<at::Tensor, at::Tensor> q8_decode_step(
     const at::Tensor& context_lens, at::Tensor& k_pools, at::Tensor& v_pools,
     const c10::intrusive_ptr<DecodeWeights>& held, int64_t num_heads, int64_t num_kv_heads, double eps, double theta,
     int64_t asked) {
-  const at::TensorList weights = held->tensors;
-  constexpr int64_t PER_LAYER = 14;
   const int64_t L = k_pools.size(0), M = token_ids.numel(), Dh = k_pools.size(4);
-  TORCH_CHECK(int64_t(weights.size()) == 4 + PER_LAYER * L, "q8_decode_step takes ", 4 + PER_LAYER * L,
-              " weights for ", L, " layers, got ", weights.size());
+  const std::shared_ptr<const DecodeModel> held_model = held->checked(num_heads, num_kv_heads, Dh, L);
+  const DecodeModel& dm = *held_model;
   TORCH_CHECK(token_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
               positions.numel() == M && token_ids.is_contiguous() && positions.is_contiguous(),
               "token_ids and positions must be contiguous int64 [M]");
-  const at::Tensor& embed = weights[0];
-  TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.is_contiguous(),
-              "the embedding must be contiguous float32 [V, D]");
-  const int64_t V = embed.size(0), D = embed.size(1), H = num_heads, KV = num_kv_heads, QKV = (H + 2 * KV) * Dh;
-  auto check_norm = [&](int64_t n) {  // read D floats each, unchecked below
-    TORCH_CHECK(weights[n].scalar_type() == at::kFloat && weights[n].numel() == D && weights[n].is_contiguous(),
-                "weight ", n, " must be a norm: contiguous float32 [", D, "]");
-  };
-  check_norm(1);
-  const int64_t I = weights[4 + 11].size(1) * GROUP;  // down's inputs: the intermediate size
-  std::vector<Int4Weight> linears;  // each layer's qkv, o, gate_up, down
-  for (int64_t w = 4; w < 4 + PER_LAYER * L; w += PER_LAYER) {
-    check_norm(w);
-    check_norm(w + 7);
-    for (const Int4Weight& lw : {int4_weight(weights, w + 1, QKV, D), int4_weight(weights, w + 4, D, H * Dh),
-                                 int4_weight(weights, w + 8, 2 * I, D), int4_weight(weights, w + 11, D, I)})
-      linears.push_back(lw);
-  }
-  const at::Tensor &head = weights[2], &head_scale = weights[3];
-  const bool per_group = check_int8(head, head_scale, V);
-  TORCH_CHECK(head.size(1) * GROUP == D, "the head takes ", head.size(1) * GROUP, " inputs, not ", D);
+  const int64_t V = dm.V, D = dm.D, I = dm.I, H = num_heads, KV = num_kv_heads, QKV = (H + 2 * KV) * Dh;
   const int64_t path = q8_path(asked);
   const bool simd = path != PLAIN;
   const float e = float(eps);
-  const auto f32 = embed.options();
+  const auto f32 = token_ids.options().dtype(at::kFloat);
   const int64_t* ids = token_ids.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m)
@@ -826,7 +864,6 @@ std::tuple<at::Tensor, at::Tensor> q8_decode_step(
   float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
   float *vp = v.data_ptr<float>(), *attnp = attn.data_ptr<float>(), *yp = y.data_ptr<float>();
   float *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>(), *logitsp = logits.data_ptr<float>();
-  const float* embedp = embed.data_ptr<float>();
   // the attention's and SwiGLU's outputs rounded (shared: each thread rounds its share's groups), and each
   // thread's own residual stream x, its norm h and h rounded
   const int64_t KMAX = std::max(H * Dh, I), DG = D / GROUP;
@@ -858,12 +895,11 @@ std::tuple<at::Tensor, at::Tensor> q8_decode_step(
     const auto [m0, m1] = share(t, n, M, 1);
     const auto [i0, i1] = share(t, n, M * H, 1);  // (sequence, head) pairs
     const auto [g0, g1] = share(t, n, M * I / GROUP, 1);  // SwiGLU's groups of 32
-    for (int64_t m = 0; m < M; ++m) std::copy_n(embedp + ids[m] * D, D, x + m * D);
+    for (int64_t m = 0; m < M; ++m) std::copy_n(dm.embed + ids[m] * D, D, x + m * D);
     for (int64_t l = 0; l < L; ++l) {  // each layer: attention, then the MLP, each added to the residual stream x
-      const int64_t w = 4 + PER_LAYER * l;
-      const Int4Weight* lw = linears.data() + 4 * l;
+      const Int4Weight* lw = dm.linears.data() + 4 * l;
       if (l > 0) residual();  // the last layer's MLP
-      norm(weights[w].data_ptr<float>());
+      norm(dm.norms[2 * l]);
       int4(lw[0], hr, qkvp);  // q, k and v in one matvec
       barrier.wait(n);
       PagedDecode attention = first_layer;  // this layer's pools
@@ -893,7 +929,7 @@ std::tuple<at::Tensor, at::Tensor> q8_decode_step(
       int4(lw[1], rounded, yp);  // o_proj
       barrier.wait(n);
       residual();  // the attention's
-      norm(weights[w + 7].data_ptr<float>());
+      norm(dm.norms[2 * l + 1]);
       int4(lw[2], hr, gup);  // gate and up in one matvec
       barrier.wait(n);
       for (int64_t g = g0; g < g1; ++g) {  // SwiGLU, a group of 32 at a time, each rounded
@@ -906,11 +942,9 @@ std::tuple<at::Tensor, at::Tensor> q8_decode_step(
       barrier.wait(n);  // the layer's output in y, whole, before any thread adds it
     }
     residual();
-    norm(weights[1].data_ptr<float>());
-    const auto [b0, b1] = share(t, n, head.size(0), block_grain(D));
-    if (b0 < b1)
-      int8q8_blocks(hr, M, head.data_ptr<int8_t>(), per_group ? nullptr : head_scale.data_ptr<float>(),
-                    per_group ? halves(head_scale) : nullptr, logitsp, V, D, path, b0, b1);
+    norm(dm.final_norm);
+    const auto [b0, b1] = share(t, n, dm.head_blocks, block_grain(D));
+    if (b0 < b1) int8q8_blocks(hr, M, dm.head, dm.head_scale, dm.head_halves, logitsp, V, D, path, b0, b1);
     for (int64_t m = 0; m < M; ++m)  // each row's likeliest among the logits this thread just wrote
       best[t * M + m] = argmax(logitsp + m * V, std::min(V, b0 * ROWS), std::min(V, b1 * ROWS));
   }
