@@ -181,5 +181,7 @@ def test_llama_cpp_bin_puts_the_tools_beside_the_engine_in_the_report(crashed_pe
     assert 91 * 2**20 < section["fast_single_stream_read_bandwidth"] / roof < 93 * 2**20  # read over 92 MiB too
     frac = section["fast_single_stream_roofline_frac"]
     assert frac == pytest.approx(section["fast_single_stream_tok_per_s"] / roof) and f"{frac:.0%} of its bandwidth roofline" in out
+    theirs = section["single_stream_roofline_frac"]  # llama.cpp's against the same roof: the same GGUF's bytes
+    assert theirs == pytest.approx(section["single_stream_tok_per_s"] / roof) and f"tools at {theirs:.0%} of it" in out
     assert f"ratios (on {report['machine']['cpu_label']})" in out
     assert "llama.cpp's tools (commit" in out and "GGML_NATIVE=ON" in out and "llama-batched-bench pp64 tg32 B32" in out

@@ -470,9 +470,10 @@ class _EngineSides:
 
     def roofline(self, report: dict, section: dict) -> None:
         """The fastest single stream against the bandwidth roof: the read bandwidth over a buffer as big as
-        what a step reads, over those bytes (``fast_single_stream_roofline_frac``). Not the core's 512 MiB
-        probe: a step reads the same 92 MiB again and again, and a CPU whose last-level cache holds them
-        (480 MiB on one Xeon) reads them from there, faster than from memory."""
+        what a step reads, over those bytes (``fast_single_stream_roofline_frac``), and llama.cpp's single stream
+        against the same roof (``single_stream_roofline_frac``: the same GGUF, the same bytes a token). Not the
+        core's 512 MiB probe: a step reads the same 92 MiB again and again, and a CPU whose last-level cache
+        holds them (480 MiB on one Xeon) reads them from there, faster than from memory."""
         tok_s = section.get("fast_single_stream_tok_per_s")
         if tok_s is None:
             return
@@ -482,6 +483,8 @@ class _EngineSides:
         roof = self._step_bandwidth / step_bytes
         section |= {"fast_single_stream_read_bandwidth": self._step_bandwidth,
                     "fast_single_stream_roofline_tok_per_s": roof, "fast_single_stream_roofline_frac": tok_s / roof}
+        if section.get("single_stream_tok_per_s"):  # llama.cpp's
+            section["single_stream_roofline_frac"] = section["single_stream_tok_per_s"] / roof
 
 
 def _llama_cpp_section(args: argparse.Namespace, report: dict, tok: Tokenizer, peer: llama.Peer,

@@ -147,6 +147,8 @@ def _fastest_lines(p: dict, theirs: str) -> None:
     if p.get("fast_single_stream_ratio") is not None:
         roof = (f", {p['fast_single_stream_roofline_frac']:.0%} of its bandwidth roofline: "
                 f"{p['fast_single_stream_read_bandwidth'] / 1e9:.1f} GB/s reading a step's bytes"
+                + (f"; {theirs} at {p['single_stream_roofline_frac']:.0%} of it"
+                   if p.get("single_stream_roofline_frac") is not None else "")
                 if p.get("fast_single_stream_roofline_frac") is not None else "")
         print(f"  the engine at its fastest single stream ({p['fast_format']}): "
               f"{p['fast_single_stream_tok_per_s']:.1f} tok/s ({p['fast_single_stream_ratio']:.2f}x {theirs}{roof})")

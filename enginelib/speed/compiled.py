@@ -1,6 +1,6 @@
 """Decode without Python overhead: the model step compiled once per batch size, with ``torch.compile``.
 
-An eager decode step makes about eighty calls into PyTorch per layer (chapter 14
+An eager decode step makes about seventy calls into PyTorch per layer (chapter 14
 counts them), many of them dispatching a kernel. ``torch.compile`` traces the step once,
 fuses what it can (norms, RoPE, SwiGLU, residuals) and, on a CPU, can let
 inductor freeze the weights (``freeze=True``: constants of the graph, pre-packed
