@@ -91,8 +91,8 @@ CORE_PLACEHOLDERS = {
     "prefix_cache_effect": {"ttft_p50_on_s": 0.1, "ttft_p50_off_s": 0.2, "ttft_ratio": 0.5, "hit_rate": 0.5},
     "chunked_prefill_effect": {"budget": 256, "long_prompt_tokens": 1024, "itl_p99_on_s": 0.1,
                                "itl_p99_off_s": 0.2, "itl_p99_ratio": 0.5},
-    "structured_effect": {"requests": 1, "mask_ms": 0.1, "mask_fraction": 0.01, "step_ms": 10.0,
-                          "step_ms_plain": 10.0, "valid": 1.0,
+    "structured_effect": {"requests": 1, "mask_ms": 0.1, "mask_ms_per_step": 0.1, "mask_fraction": 0.01,
+                          "step_ms": 10.0, "step_ms_plain": 10.0, "valid": 1.0,
                           "jump_forward": {"steps": 1, "steps_plain": 1, "forced_tokens": 0}},
 }
 

@@ -84,9 +84,9 @@ def print_summary(report: dict) -> None:
         g = report["structured"]
         j = g["jump_forward"]
         print(f"structured output ({g['requests']} greedy JSON-schema requests): a mask {_fmt(g['mask_ms'], 1, 3)} ms, "
-              f"{g['mask_fraction']:.1%} of a {g['step_ms']:.1f} ms decode step ({g['step_ms_plain']:.1f} ms "
-              f"unconstrained); {g['valid']:.0%} of outputs valid; jump-forward {j['steps']} steps instead of "
-              f"{j['steps_plain']} ({j['forced_tokens']} tokens forced)")
+              f"{g['mask_ms_per_step']:.2f} ms of masks a step, {g['mask_fraction']:.1%} of a {g['step_ms']:.1f} ms "
+              f"decode step ({g['step_ms_plain']:.1f} ms unconstrained); {g['valid']:.0%} of outputs valid; "
+              f"jump-forward {j['steps']} steps instead of {j['steps_plain']} ({j['forced_tokens']} tokens forced)")
     if "serve" in report:
         s = report["serve"]
         where = f", engine on CPUs {s['engine_cpus']}, client on {s['client_cpus']}" if s["engine_cpus"] else ""
