@@ -112,3 +112,26 @@ def test_a_float16_model_against_float32_tokens(real, real_f32):
     assert verdict.total == 2
     assert all(isinstance(d, Divergence) and d.margin < NEAR_TIE_MARGIN for d in verdict.near_ties)
     print(verdict)
+
+
+def test_the_benchmark_checks_requests_past_the_oracles_few_against_the_static_batcher(real_f32, run):
+    """kv_cache serves one request of three; the engine's third is checked against static's, and a wrong one noted."""
+    from enginelib.bench.results import SystemResult, check_same_tokens
+    from enginelib.bench.workloads import BenchRequest, Workload
+
+    prompt, tokens, top2, margins = run
+    pos = max(range(len(margins)), key=margins.__getitem__)  # the clearest call: its runner-up is no near-tie
+    wrong = tokens[:pos] + [top2[pos][1]] + tokens[pos + 1:]
+    wl = Workload("three", [BenchRequest(prompt, len(tokens)) for _ in range(3)])
+
+    def system(name: str, outputs: list[list[int]]) -> SystemResult:
+        return SystemResult(name, len(outputs), sum(map(len, outputs)), 1.0, outputs=outputs)
+
+    results = {"kv_cache": system("kv_cache", [tokens]), "static": system("static", [tokens] * 3),
+               "engine": system("engine", [tokens, tokens, wrong])}
+    check_same_tokens(real_f32[0], wl, results)
+    assert "differs from static" in results["engine"].note and "kv_cache" not in results["engine"].note
+    assert results["static"].note == ""
+    results["engine"] = system("engine", [tokens] * 3)
+    check_same_tokens(real_f32[0], wl, results)
+    assert results["engine"].note == ""
