@@ -210,6 +210,7 @@ def test_the_step_profile_splits_the_forward_pass_without_losing_time(real):
     assert {"forward: matmuls", "forward: attention", "forward: KV gather", "forward: KV write"} <= set(parts)
     assert sum(parts.values()) == pytest.approx(profile["forward"])
     assert profile["forward: matmuls"] > profile["forward: KV write"] > 0
+    assert profile[bench.REST] > 0  # the outputs: each new token detokenized, outside every phase
 
 
 def test_the_phase_ranges_cost_nothing_unless_a_profiler_records():

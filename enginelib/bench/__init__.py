@@ -40,7 +40,7 @@ from enginelib.bench.cli import main
 from enginelib.bench.endpoint import ENDPOINT, run_endpoint, served_model_name
 from enginelib.bench.hf import hf_single_stream, load_hf, run_hf_static
 from enginelib.bench.memory import concurrency, kv_waste
-from enginelib.bench.profile import OP_KINDS, PHASES, profile_steps
+from enginelib.bench.profile import OP_KINDS, PHASES, REST, profile_steps
 from enginelib.bench.quantization import int4_model, quant_effect
 from enginelib.bench.results import SystemResult
 from enginelib.bench.roofline import decode_flops_per_token, decode_step_time, matmul_peak, read_bandwidth
@@ -60,9 +60,9 @@ from enginelib.bench.workloads import (
 from enginelib.config import EngineConfig
 
 __all__ = [
-    "ENDPOINT", "OP_KINDS", "PHASES", "QUESTIONS", "SYSTEMS", "WORKLOADS", "BenchRequest", "EngineConfig", "SpecRun",
-    "SystemResult", "Workload", "chat_prompt", "chunked_prefill_effect", "concurrency", "decode_flops_per_token",
-    "decode_seconds", "decode_step_time", "extractive_prompts", "hf_single_stream", "int4_model", "kv_waste",
+    "ENDPOINT", "OP_KINDS", "PHASES", "QUESTIONS", "REST", "SYSTEMS", "WORKLOADS", "BenchRequest", "EngineConfig",
+    "SpecRun", "SystemResult", "Workload", "chat_prompt", "chunked_prefill_effect", "concurrency",
+    "decode_flops_per_token", "decode_seconds", "decode_step_time", "extractive_prompts", "hf_single_stream", "int4_model", "kv_waste",
     "latency_curve", "load_hf", "main", "make_workload", "matmul_peak", "prefix_cache_effect", "profile_steps",
     "quant_effect", "read_bandwidth", "run_endpoint", "run_engine", "run_hf_static", "run_one_at_a_time", "run_spec",
     "run_static", "serve_args", "serve_effect", "served_model_name", "spec_decode_effect",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from contextlib import contextmanager
 
 import torch
@@ -11,6 +12,7 @@ from torch.profiler import record_function
 from enginelib.core.engine import Engine
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update")
+REST = "outputs & rest"  # the step's wall time outside the phases: its outputs (detokenizing, stop checks) and more
 OP_KINDS = {"aten::linear": "matmuls", "aten::matmul": "matmuls", "aten::mm": "matmuls",
             "aten::addmm": "matmuls", "aten::index_select": "KV gather", "aten::index_copy_": "KV write",
             "mkldnn::_linear_pointwise": "matmuls"}
@@ -32,7 +34,9 @@ def profile_steps(engine: Engine, steps: int = 8) -> dict[str, float]:
     ``index_select``: keys and values through block tables, plus, in a step
     that mixes prefills and decodes, the few query rows shuffled into groups);
     what is left of it is Python and dispatch overhead: time between operators.
-    The parts add up to the forward pass.
+    The parts add up to the forward pass. :data:`REST` is the step's wall time
+    that no phase covers, mostly making its outputs (detokenizing, stop checks):
+    the phases and it add up to the step.
 
     On a CPU these are CPU times. On a GPU the host only launches kernels and
     returns, and waits for them where it reads results back (in "sample"): CPU
@@ -52,9 +56,12 @@ def profile_steps(engine: Engine, steps: int = 8) -> dict[str, float]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     if on_gpu:
         torch.cuda.synchronize(engine.model.device)  # earlier work must not land in the first phase
+    wall = 0.0
     with _synchronized_phases(engine.model.device if on_gpu else None), profile(activities=activities) as prof:
         for _ in range(steps):
+            start = time.perf_counter()
             engine.step()
+            wall += time.perf_counter() - start
 
     def spent(event) -> float:  # microseconds of an operator: on a GPU, the kernels it and its children ran
         return event.device_time_total if on_gpu else event.cpu_time_total
@@ -73,6 +80,7 @@ def profile_steps(engine: Engine, steps: int = 8) -> dict[str, float]:
             per_step[kind] = per_step.get(kind, 0.0) + spent(event)
     ops = sum(v for k, v in per_step.items() if k.startswith("forward: "))
     per_step["forward: python & dispatch"] = per_step.get("forward", 0.0) - ops
+    per_step[REST] = max(0.0, 1e6 * wall - sum(per_step.get(k, 0.0) for k in PHASES))
     return {k: v / 1e6 / steps for k, v in per_step.items()}  # profiler times are in microseconds
 
 
