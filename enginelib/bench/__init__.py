@@ -62,8 +62,9 @@ from enginelib.config import EngineConfig
 __all__ = [
     "ENDPOINT", "OP_KINDS", "PHASES", "QUESTIONS", "REST", "SYSTEMS", "WORKLOADS", "BenchRequest", "EngineConfig",
     "SpecRun", "SystemResult", "Workload", "chat_prompt", "chunked_prefill_effect", "concurrency",
-    "decode_flops_per_token", "decode_seconds", "decode_step_time", "extractive_prompts", "hf_single_stream", "int4_model", "kv_waste",
-    "latency_curve", "load_hf", "main", "make_workload", "matmul_peak", "prefix_cache_effect", "profile_steps",
-    "quant_effect", "read_bandwidth", "run_endpoint", "run_engine", "run_hf_static", "run_one_at_a_time", "run_spec",
-    "run_static", "serve_args", "serve_effect", "served_model_name", "spec_decode_effect",
+    "decode_flops_per_token", "decode_seconds", "decode_step_time", "extractive_prompts", "hf_single_stream",
+    "int4_model", "kv_waste", "latency_curve", "load_hf", "main", "make_workload", "matmul_peak", "prefix_cache_effect",
+    "profile_steps", "quant_effect", "read_bandwidth", "run_endpoint", "run_engine", "run_hf_static",
+    "run_one_at_a_time", "run_spec", "run_static", "serve_args", "serve_effect", "served_model_name",
+    "spec_decode_effect",
 ]
