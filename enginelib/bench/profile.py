@@ -30,9 +30,11 @@ def profile_steps(engine: Engine, steps: int = 8) -> dict[str, float]:
 
     The step's phases (schedule, prepare, forward, sample, update) are the
     engine's own ``record_function`` ranges. The forward pass is split further
-    into kinds of operators by their self time (the "KV gather" is every
-    ``index_select``: keys and values through block tables, plus, in a step
-    that mixes prefills and decodes, the few query rows shuffled into groups);
+    into kinds of operators, each outermost operator booked with everything it
+    calls (the "KV gather" is every outermost ``index_select``: keys and values
+    through block tables, plus, in a step that mixes prefills and decodes, the
+    few query rows shuffled into groups; the embedding's, under
+    ``aten::embedding``, is an "other op");
     what is left of it is Python and dispatch overhead: time between operators.
     The parts add up to the forward pass. :data:`REST` is the step's wall time
     that no phase covers, mostly making its outputs (detokenizing, stop checks):
